@@ -1,0 +1,142 @@
+"""The one typed configuration object: every knob of milestream, loaded from YAML, overridable by flags.
+
+Sections mirror the stages of the loop. ``load_config`` reads an optional YAML file and applies
+``section.key=value`` overrides (values parsed as YAML scalars), then validates the whole tree.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BrokerConfig(Section):
+    bootstrap_servers: str | None = None  # None: start the embedded broker
+    topic_prefix: str = ""  # isolates runs sharing one cluster
+    partitions: int = 4
+    max_message_bytes: int = 64 * 1024 * 1024
+    client: dict[str, str] = Field(default_factory=dict)  # extra librdkafka settings (SASL/SSL, ...)
+
+
+class RedisConfig(Section):
+    url: str | None = None  # None: start an embedded redis-server
+    key_prefix: str = "milestream"
+
+
+class ModelConfig(Section):
+    name: Literal["smollm2-135m-instruct", "tiny-random"] = "smollm2-135m-instruct"
+    lora_rank: int = 16  # 0: full fine-tuning
+    lora_alpha: int = 32
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (autocast in training)
+    seed: int = 0
+    threads: int = 1  # torch intra-op threads per process; the loop's processes share the cores
+
+
+class DataConfig(Section):
+    task: str = "chain_sum"
+    task_options: dict[str, Any] = Field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    size: int = 100_000
+    seed: int = 42
+    system_prompt: str = "Answer inside <answer></answer> tags."
+    assistant_prefill: str = "<answer>"
+    format_reward: float = 0.1  # added when the answer tag is closed
+
+
+class RolloutConfig(Section):
+    group_size: int = 8
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    max_inflight_samples: int = 16
+    max_batch: int = 32  # engine batch (samples generated together)
+    refill: Literal["sample", "group"] = "sample"
+    num_workers: int = 1
+
+
+class BufferConfig(Section):
+    capacity_factor: float = 2.0  # capacity in groups = factor x trainer.batch_groups
+    max_staleness: int = 2  # versions; a group older than this is dropped at collection
+    filter: str | None = None  # import path: fn(group) -> (keep, reason)
+    metrics_interval_s: float = 2.0
+
+
+class TrainerConfig(Section):
+    batch_groups: int = 4
+    steps: int = 40
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.2
+    tis_interval: tuple[float, float] = (0.0, 2.0)
+    micro_batch: int = 16  # sequences per forward/backward
+    checkpoint_every: int = 5
+    keep_weight_versions: int = 3
+
+
+class RunConfig(Section):
+    run_dir: str = "runs/latest"
+    max_wall_s: float = 1800.0
+
+
+class Config(Section):
+    broker: BrokerConfig = BrokerConfig()
+    redis: RedisConfig = RedisConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    buffer: BufferConfig = BufferConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        low, high = self.trainer.tis_interval
+        if not 0 <= low <= 1 <= high:
+            raise ValueError(f"trainer.tis_interval {self.trainer.tis_interval} must contain 1")
+        if self.buffer_capacity < self.trainer.batch_groups:
+            raise ValueError("buffer capacity must hold at least one training batch")
+        return self
+
+    @property
+    def buffer_capacity(self) -> int:
+        return int(round(self.buffer.capacity_factor * self.trainer.batch_groups))
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run.run_dir)
+
+    def with_overrides(self, **sections: dict[str, Any]) -> "Config":
+        data = self.model_dump()
+        for section, values in sections.items():
+            data[section] = {**data[section], **values}
+        return Config.model_validate(data)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``trainer.lr=1e-4`` -> (["trainer", "lr"], 0.0001)."""
+    if "=" not in text:
+        raise ValueError(f"override {text!r} is not of the form section.key=value")
+    path, raw = text.split("=", 1)
+    return path.strip().split("."), yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    data: dict[str, Any] = {}
+    if path:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return Config.model_validate(data)

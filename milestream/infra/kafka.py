@@ -1,0 +1,182 @@
+"""A thin layer over confluent-kafka: typed producer, consumer and admin for the topic catalogue.
+
+Values are Arrow IPC (see ``schemas.codec``). A value that does not decode goes to the dead-letter
+topic with its position and error; the consumer logs it and carries on.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Generic, Iterable, Sequence, TypeVar
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from milestream.config import BrokerConfig
+from milestream.schemas import topics
+from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
+from milestream.schemas.records import DeadLetter, Record
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=Record)
+
+# tansu's group joins take session.timeout/2; these keep joins near 3 s (see NOTES.md).
+GROUP_TIMEOUTS = {"session.timeout.ms": "6000", "heartbeat.interval.ms": "1000"}
+
+
+def client_config(cfg: BrokerConfig, **extra: str) -> dict[str, str]:
+    if not cfg.bootstrap_servers:
+        raise ValueError("broker.bootstrap_servers is not set (start the embedded broker first)")
+    return {"bootstrap.servers": cfg.bootstrap_servers, **cfg.client, **extra}
+
+
+def topic_name(cfg: BrokerConfig, spec: topics.TopicSpec) -> str:
+    return cfg.topic_prefix + spec.name
+
+
+class Admin:
+    def __init__(self, cfg: BrokerConfig):
+        self.cfg = cfg
+        self.client = AdminClient(client_config(cfg))
+
+    def create_topics(self, specs: Iterable[topics.TopicSpec] = topics.CATALOGUE) -> list[str]:
+        """Create the missing topics; returns the names created."""
+        existing = set(self.list_topics())
+        new = [
+            NewTopic(
+                topic_name(self.cfg, spec),
+                num_partitions=self.cfg.partitions if spec.keyed_partitions else 1,
+                replication_factor=-1,
+                config={"max.message.bytes": str(spec.max_message_mb * 1024 * 1024)},
+            )
+            for spec in specs
+            if topic_name(self.cfg, spec) not in existing
+        ]
+        if not new:
+            return []
+        for name, future in self.client.create_topics(new, operation_timeout=30).items():
+            try:
+                future.result()
+            except KafkaException as exc:
+                if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                    raise
+        return [t.topic for t in new]
+
+    def list_topics(self) -> dict[str, int]:
+        metadata = self.client.list_topics(timeout=10)
+        return {name: len(t.partitions) for name, t in metadata.topics.items() if not name.startswith("__")}
+
+    def partitions(self, spec: topics.TopicSpec) -> list[int]:
+        name = topic_name(self.cfg, spec)
+        metadata = self.client.list_topics(name, timeout=10).topics[name]
+        return sorted(metadata.partitions)
+
+
+class RecordProducer:
+    def __init__(self, cfg: BrokerConfig, client_id: str = "milestream"):
+        self.cfg = cfg
+        self.producer = Producer(client_config(
+            cfg, **{"client.id": client_id, "enable.idempotence": "true", "linger.ms": "5",
+                    "message.max.bytes": str(cfg.max_message_bytes), "compression.type": "none"}))
+
+    def send(self, spec: topics.TopicSpec, records: Sequence[Record], key: str | None = None) -> None:
+        if not all(isinstance(r, spec.record) for r in records):
+            raise TypeError(f"{spec.name} carries {spec.record.__name__} records")
+        self.send_raw(spec, encode(records), key, headers_for(spec.record))
+
+    def send_raw(self, spec: topics.TopicSpec, value: bytes | None, key: str | bytes | None,
+                 headers: list[tuple[str, bytes]] | None = None) -> None:
+        topic = topic_name(self.cfg, spec)
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=_raise_on_error)
+                break
+            except BufferError:  # local queue full: let deliveries drain
+                self.producer.poll(0.05)
+        self.producer.poll(0)
+
+    def dead_letter(self, position: Position, error: RecordError | str, key: bytes | None,
+                    value: bytes | None) -> None:
+        field = error.field if isinstance(error, RecordError) else ""
+        record = DeadLetter(position.topic, position.partition, position.offset, str(error), field,
+                            key, value, time.time())
+        self.send(topics.DEADLETTER, [record], key=position.topic)
+        log.error("dead-lettered %s", error)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        if self.producer.flush(timeout) > 0:
+            raise TimeoutError(f"{len(self.producer)} messages not delivered after {timeout}s")
+
+
+def _raise_on_error(err, msg) -> None:
+    if err is not None:
+        raise KafkaException(err)
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[R]):
+    position: Position
+    key: bytes | None
+    records: list[R]
+    ts: float  # broker timestamp, seconds
+
+
+class RecordConsumer(Generic[R]):
+    """Consumes one topic's records; offsets are the caller's to commit or to store."""
+
+    def __init__(self, cfg: BrokerConfig, spec: topics.TopicSpec, group_id: str,
+                 deadletter: RecordProducer | None = None, **extra: str):
+        self.cfg, self.spec, self.deadletter = cfg, spec, deadletter
+        settings = {"group.id": group_id, "enable.auto.commit": "false", "auto.offset.reset": "earliest",
+                    "fetch.message.max.bytes": str(cfg.max_message_bytes), **GROUP_TIMEOUTS, **extra}
+        self.consumer = Consumer(client_config(cfg, **settings))
+        self.topic = topic_name(cfg, spec)
+
+    def subscribe(self) -> "RecordConsumer[R]":
+        self.consumer.subscribe([self.topic])
+        return self
+
+    def assign(self, offsets: dict[int, int] | None = None, partitions: Iterable[int] = ()) -> "RecordConsumer[R]":
+        """Read the given partitions from the given next offsets (the beginning where none is given)."""
+        offsets = offsets or {}
+        wanted = set(partitions) | set(offsets)
+        self.consumer.assign([TopicPartition(self.topic, p, offsets.get(p, OFFSET_BEGINNING)) for p in sorted(wanted)])
+        return self
+
+    def poll(self, timeout: float = 1.0) -> Delivery[R] | None:
+        """The next decodable delivery, or None when nothing arrived within the timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.consumer.poll(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                return None
+            if msg.error():
+                log.warning("consumer error on %s: %s", self.topic, msg.error())
+                continue
+            position = Position(msg.topic(), msg.partition(), msg.offset())
+            try:
+                records = decode(msg.value(), self.spec.record, position)
+            except RecordError as exc:
+                if self.deadletter is None:
+                    raise
+                self.deadletter.dead_letter(position, exc, msg.key(), msg.value())
+                continue
+            return Delivery(position, msg.key(), records, msg.timestamp()[1] / 1000.0)
+
+    def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Delivery[R]]:
+        """Everything until the topic stays quiet for ``idle_s`` (tansu's end offsets are unreliable)."""
+        out: list[Delivery[R]] = []
+        deadline = time.monotonic() + max_wait_s
+        while time.monotonic() < deadline:
+            delivery = self.poll(idle_s)
+            if delivery is None:
+                break
+            out.append(delivery)
+        return out
+
+    def commit(self, offsets: dict[int, int]) -> None:
+        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()], asynchronous=False)
+
+    def close(self) -> None:
+        self.consumer.close()

