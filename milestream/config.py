@@ -101,6 +101,8 @@ class Config(Section):
             raise ValueError(f"trainer.tis_interval {self.trainer.tis_interval} must contain 1")
         if self.buffer_capacity < self.trainer.batch_groups:
             raise ValueError("buffer capacity must hold at least one training batch")
+        if self.rollout.refill == "group" and self.rollout.max_inflight_samples < self.rollout.group_size:
+            raise ValueError("group refill needs rollout.max_inflight_samples >= rollout.group_size")
         return self
 
     @property

@@ -180,3 +180,25 @@ class RecordConsumer(Generic[R]):
 
     def close(self) -> None:
         self.consumer.close()
+
+
+class OffsetTracker:
+    """Offsets safe to commit: per partition, below the lowest offset still in progress.
+
+    Work items may finish out of order; committing only below the oldest unfinished one means a
+    restart re-reads (never skips) what was in progress.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[int, set[int]] = {}
+        self._next: dict[int, int] = {}  # per partition: one past the highest offset started
+
+    def started(self, partition: int, offset: int) -> None:
+        self._open.setdefault(partition, set()).add(offset)
+        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
+
+    def done(self, partition: int, offset: int) -> None:
+        self._open[partition].discard(offset)
+
+    def committable(self) -> dict[int, int]:
+        return {p: min(self._open[p]) if self._open.get(p) else nxt for p, nxt in self._next.items()}

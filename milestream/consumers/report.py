@@ -1,0 +1,70 @@
+"""A run's report, built only from its topics: trainer steps on buffer.metrics, drops on buffer.dropped."""
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Sequence
+
+from milestream.schemas.records import Dropped, Metrics
+
+
+def _quarter_mean(values: Sequence[float], last: bool) -> float:
+    if not values:
+        return 0.0
+    size = max(1, len(values) // 4)
+    chunk = values[-size:] if last else values[:size]
+    return sum(chunk) / len(chunk)
+
+
+def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float) -> dict:
+    steps = sorted(steps, key=lambda m: m.step)
+    rewards = [m.values["reward_mean"] for m in steps]
+    lags = [lag for m in steps for lag in m.group_staleness]
+    return {
+        "steps": len(steps),
+        "reward_first_quarter": _quarter_mean(rewards, last=False),
+        "reward_last_quarter": _quarter_mean(rewards, last=True),
+        "groups_trained": sum(len(m.group_ids) for m in steps),
+        "groups_dropped": dict(collections.Counter(d.reason for d in dropped)),
+        "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+        "staleness_max": max(lags) if lags else 0,
+        "final_version": int(steps[-1].values["version"]) if steps else 0,
+        "wall_s": wall_s,
+    }
+
+
+def write_report(run_dir: str | Path, steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float) -> dict:
+    run_dir = Path(run_dir)
+    summary = summarise(steps, dropped, wall_s)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(run_dir / "steps.jsonl", "w") as out:
+        for m in sorted(steps, key=lambda m: m.step):
+            out.write(json.dumps({"step": m.step, "ts": m.ts, **m.values}) + "\n")
+    if steps:
+        plot(run_dir / "reward_staleness.png", steps)
+    return summary
+
+
+def plot(path: Path, steps: Sequence[Metrics]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(steps, key=lambda m: m.step)
+    x = [m.step for m in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(x, [m.values["reward_mean"] for m in steps], marker="o", ms=3, label="mean reward")
+    top.set_ylabel("reward")
+    top.grid(alpha=0.3)
+    bottom.plot(x, [m.values["staleness_mean"] for m in steps], label="mean")
+    bottom.plot(x, [m.values["staleness_max"] for m in steps], linestyle="--", label="max")
+    bottom.set_ylabel("staleness (versions)")
+    bottom.set_xlabel("trainer step")
+    bottom.legend()
+    bottom.grid(alpha=0.3)
+    fig.suptitle("milestream run: reward and staleness per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

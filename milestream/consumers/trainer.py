@@ -1,0 +1,184 @@
+"""The trainer: collect groups from ``buffer.groups``, take a GRPO step, publish the new version.
+
+  collect  batch_groups fresh groups; a stale one (current version - oldest token version >
+           max_staleness) is dropped onto buffer.dropped instead, as Miles does at collection
+  step     GRPO advantages, PPO-clip loss with truncated importance sampling, AdamW
+  publish  the new weights on weights.versions, the step's figures on buffer.metrics
+  persist  model + optimizer + RNG + consumed offsets, atomically, every checkpoint_every steps
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from milestream.config import Config
+from milestream.consumers import checkpoint
+from milestream.consumers.objectives import grpo_advantages, policy_loss, token_logprobs
+from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer
+from milestream.infra.model import configure_process, load_model, load_tokenizer, load_trainable_state_dict, trainable_state_dict
+from milestream.schemas import topics
+from milestream.schemas.records import GroupSample, Metrics
+from milestream.streams import weights
+from milestream.streams.credit import Credit
+from milestream.streams.groups import drop_record, staleness
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CollectedGroup:
+    group_id: str
+    samples: list[GroupSample]
+    staleness: int
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        configure_process(cfg.model)
+        self.cfg = cfg
+        self.model = load_model(cfg.model, dtype=torch.float32).train()
+        self.pad_id = load_tokenizer(cfg.model).pad_token_id
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+        self.state = self._resume()
+        self.producer = RecordProducer(cfg.broker, client_id="trainer")
+        self.credit = Credit(cfg)
+        partitions = Admin(cfg.broker).partitions(topics.GROUPS)
+        self.groups = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
+                                     deadletter=self.producer).assign(self.state.offsets, partitions)
+        self.stopping = False
+
+    def _resume(self) -> checkpoint.TrainerState:
+        payload = checkpoint.load_latest(self.cfg.run.run_dir)
+        if payload is None:
+            return checkpoint.TrainerState()
+        load_trainable_state_dict(self.model, payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        state = checkpoint.restore(payload)
+        log.info("resumed at step %d (version %d), offsets %s", state.step, state.version, state.offsets)
+        return state
+
+    def run(self) -> None:
+        while self.state.step < self.cfg.trainer.steps and not self.stopping:
+            started = time.monotonic()
+            batch = self.collect()
+            if batch is None:
+                break
+            figures = self.train_step(batch)
+            self.state.step += 1
+            self.state.version += 1
+            weights.publish_version(self.producer, self.cfg.run.run_dir, self.state.version, self.state.step,
+                                    trainable_state_dict(self.model), keep=self.cfg.trainer.keep_weight_versions)
+            if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
+                self.save()
+            self._publish_metrics(batch, {**figures, "step_s": time.monotonic() - started})
+        if self.stopping and self.state.step % self.cfg.trainer.checkpoint_every:
+            self.save()
+        self.producer.flush()
+        self.groups.close()
+
+    def collect(self) -> list[CollectedGroup] | None:
+        batch: list[CollectedGroup] = []
+        while len(batch) < self.cfg.trainer.batch_groups:
+            if self.stopping:
+                return None
+            delivery = self.groups.poll(1.0)
+            if delivery is None:
+                continue
+            self.state.offsets[delivery.position.partition] = delivery.position.offset + 1
+            samples = delivery.records
+            group_id = samples[0].group_id
+            if group_id in self.state.seen_groups:
+                continue  # re-emitted after a processor restart: already trained or dropped
+            self.state.seen_groups.add(group_id)
+            self.credit.dequeued()
+            self.credit.give_back()
+            lag = staleness(samples, self.state.version)
+            if lag > self.cfg.buffer.max_staleness:
+                detail = f"staleness {lag} > {self.cfg.buffer.max_staleness}"
+                record = drop_record(group_id, samples, "stale", detail, "trainer", self.state.version)
+                self.producer.send(topics.DROPPED, [record], key=group_id)
+                continue
+            batch.append(CollectedGroup(group_id, samples, lag))
+        return batch
+
+    def train_step(self, batch: list[CollectedGroup]) -> dict[str, float]:
+        samples = [s for g in batch for s in g.samples]
+        advantages = torch.cat([grpo_advantages(torch.tensor([s.reward for s in g.samples])) for g in batch])
+        total_tokens = sum(sum(s.loss_mask) for s in samples)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        micro = self.cfg.trainer.micro_batch
+        for start in range(0, len(samples), micro):
+            terms = self._micro_step(samples[start:start + micro], advantages[start:start + micro], total_tokens)
+            for key, value in terms.items():
+                totals[key] = totals.get(key, 0.0) + value
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.max_grad_norm))
+        self.optimizer.step()
+        rewards = [s.reward for s in samples]
+        tokens = max(totals["tokens"], 1.0)
+        return {
+            "loss": totals["loss"], "grad_norm": grad_norm, "reward_mean": sum(rewards) / len(rewards),
+            "tis_weight_mean": totals["tis_weight_sum"] / tokens, "tis_clipped_frac": totals["tis_clipped"] / tokens,
+            "logprob_diff": totals["logprob_diff_sum"] / tokens, "kl_rollout_train": totals["kl_sum"] / tokens,
+            "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
+        }
+
+    def _micro_step(self, samples: list[GroupSample], advantages: Tensor, total_tokens: int) -> dict[str, float]:
+        input_ids, targets, mask, rollout_logp, adv = self._tensors(samples, advantages)
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logits = self.model(input_ids=input_ids).logits  # right padding: causal attention never sees it
+        logp = token_logprobs(logits[:, :-1] / max(self.cfg.rollout.temperature, 1e-6), targets)
+        terms = policy_loss(logp, rollout_logp, adv, mask, self.cfg.trainer.clip_eps, self.cfg.trainer.tis_interval)
+        loss = terms.loss_sum / max(total_tokens, 1)
+        loss.backward()
+        return {"loss": float(loss), "tis_weight_sum": terms.tis_weight_sum, "tis_clipped": terms.tis_clipped,
+                "logprob_diff_sum": terms.logprob_diff_sum, "kl_sum": terms.kl_sum, "tokens": terms.tokens}
+
+    def _tensors(self, samples: list[GroupSample], advantages: Tensor) -> tuple[Tensor, ...]:
+        """Right-padded [B, L] inputs; the per-token tensors are aligned with targets (inputs shifted by one)."""
+        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        input_ids = torch.full((len(samples), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(samples), length - 1)
+        rollout_logp = torch.zeros(len(samples), length - 1)
+        for row, s in enumerate(samples):
+            sequence = s.prompt_ids + s.response_ids
+            input_ids[row, :len(sequence)] = torch.tensor(sequence)
+            first = len(s.prompt_ids) - 1  # the position whose logits predict the first response token
+            mask[row, first:first + len(s.response_ids)] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            rollout_logp[row, first:first + len(s.response_ids)] = torch.tensor(s.logprobs)
+        targets = input_ids[:, 1:]
+        adv = advantages.view(-1, 1).expand_as(mask)
+        return input_ids, targets, mask, rollout_logp, adv
+
+    def save(self) -> None:
+        checkpoint.save(self.cfg.run.run_dir, self.state, trainable_state_dict(self.model), self.optimizer)
+
+    def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
+        lags = [g.staleness for g in batch]
+        values = {**figures, "version": float(self.state.version), "queue_size": float(self.credit.queued()),
+                  "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+        record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)
+        self.producer.send(topics.METRICS, [record], key="trainer")
+        self.producer.flush()
+        log.info("step %d reward %.3f loss %.4f staleness %.2f/%d queue %d (%.1fs)", self.state.step,
+                 values["reward_mean"], values["loss"], values["staleness_mean"], max(lags), values["queue_size"],
+                 figures["step_s"])
+
+
+def run_trainer(cfg: Config) -> None:
+    trainer = Trainer(cfg)
+
+    def stop(*_):
+        trainer.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    trainer.run()

@@ -1,0 +1,136 @@
+"""``milestream run``: the whole loop on one machine, every stage its own process.
+
+    start broker and Redis (or use the given ones), create the topics, fill the credit
+    publish prompts; start the processor, the rollout workers and the trainer
+    follow buffer.metrics and buffer.dropped, print each trainer step
+    when the trainer finishes: stop everything, write summary.json and the plot
+"""
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from milestream.config import Config
+from milestream.consumers.report import write_report
+from milestream.infra.kafka import Admin, RecordConsumer
+from milestream.infra.services import services
+from milestream.schemas import topics
+from milestream.schemas.records import Dropped, Metrics
+from milestream.streams.credit import Credit
+
+log = logging.getLogger(__name__)
+
+
+class Child:
+    """A stage running as ``python -m milestream.cli COMMAND --config run_dir/config.yaml``."""
+
+    def __init__(self, name: str, command: list[str], config_path: Path, log_dir: Path):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "milestream.cli", *command, "--config", str(config_path)],
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def prompts_needed(cfg: Config) -> int:
+    # Enough for every step even if a third of the groups were dropped, plus what sits in the buffer.
+    return math.ceil((cfg.trainer.steps * cfg.trainer.batch_groups * 1.5) + cfg.buffer_capacity * 2)
+
+
+def prepare(cfg: Config) -> None:
+    """Build the model cache once here, rather than in every stage at once."""
+    import torch
+
+    from milestream.infra.model import load_model, load_tokenizer
+
+    load_tokenizer(cfg.model)
+    load_model(cfg.model, dtype=torch.float32)
+
+
+def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
+    Admin(cfg.broker).create_topics()
+    Credit(cfg).initialise()
+    count = str(prompts_needed(cfg))
+    children = [Child("loader", ["load-prompts", "--count", count], config_path, log_dir),
+                Child("processor", ["process"], config_path, log_dir)]
+    children += [Child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"], config_path, log_dir)
+                 for i in range(cfg.rollout.num_workers)]
+    trainer = Child("trainer", ["train"], config_path, log_dir)
+    return children + [trainer], trainer
+
+
+def follow(cfg: Config, children: list[Child], trainer: Child, started: float) -> tuple[list[Metrics], list[Dropped]]:
+    """Print trainer steps as they land; returns what the topics said once the trainer is done."""
+    metrics = RecordConsumer(cfg.broker, topics.METRICS, "run-monitor").assign(partitions=[0])
+    drops = RecordConsumer(cfg.broker, topics.DROPPED, "run-monitor").assign(partitions=range(cfg.broker.partitions))
+    steps: list[Metrics] = []
+    dropped: list[Dropped] = []
+    trainer_done = False
+    while True:
+        dropped += [r for d in drops.drain(0.05, 1.0) for r in d.records]
+        delivery = metrics.poll(0.5)
+        if delivery is not None:
+            for record in delivery.records:
+                if record.source == "trainer":
+                    steps.append(record)
+                    print_step(cfg, record, dropped, time.monotonic() - started)
+        elif trainer_done:
+            break  # the trainer's last records are in
+        for child in children:
+            code = child.proc.poll()
+            if code not in (None, 0) or (code == 0 and child.name not in ("loader", "trainer")):
+                raise RuntimeError(f"stage {child.name} exited with {code}:\n{child.tail()}")
+        trainer_done = trainer_done or trainer.proc.poll() == 0
+        if time.monotonic() - started > cfg.run.max_wall_s:
+            log.warning("run.max_wall_s reached: stopping the run")
+            break
+    metrics.close()
+    drops.close()
+    return steps, dropped
+
+
+def print_step(cfg: Config, record: Metrics, dropped: list[Dropped], elapsed: float) -> None:
+    v = record.values
+    reasons: dict[str, int] = {}
+    for d in dropped:
+        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+    print(f"step {record.step:3d}/{cfg.trainer.steps}  reward {v['reward_mean']:.3f}  "
+          f"staleness {v['staleness_mean']:.2f} (max {v['staleness_max']:.0f})  queue {v['queue_size']:.0f}  "
+          f"dropped {reasons or '-'}  loss {v['loss']:+.4f}  step {v['step_s']:.1f}s  [{elapsed:.0f}s]", flush=True)
+
+
+def run_loop(cfg: Config) -> dict:
+    started = time.monotonic()
+    run_dir = cfg.run_path
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prepare(cfg)
+    with services(cfg) as live:
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(live.to_yaml())
+        children, trainer = start_stages(live, config_path, log_dir)
+        try:
+            steps, dropped = follow(live, children, trainer, started)
+        finally:
+            for child in reversed(children):
+                child.stop()
+        summary = write_report(run_dir, steps, dropped, time.monotonic() - started)
+    print(f"summary: {summary}")
+    print(f"wrote {run_dir / 'summary.json'} and {run_dir / 'reward_staleness.png'}")
+    return summary

@@ -1,0 +1,201 @@
+"""The asynchronous rollout worker: prompts in, scored trajectories and log-probs out.
+
+Each admitted prompt is one group of ``group_size`` samples and costs one buffer credit. With
+sample-granular refill (the default) every sample holds one of ``max_inflight_samples`` slots and a
+finished sample frees its slot at once; with group-granular refill a group takes all its slots
+before it starts and frees them when its last sample ends. Without credit nothing is admitted.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from milestream.config import Config
+from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
+from milestream.infra.model import configure_process, load_tokenizer
+from milestream.producers.engine import CpuEngine, Engine, GenerateRequest, GenerateResult, sampling_params
+from milestream.producers.tasks import build_input_ids, score
+from milestream.schemas import topics
+from milestream.schemas.codec import Position
+from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
+from milestream.streams import weights
+from milestream.streams.credit import Credit
+
+log = logging.getLogger(__name__)
+STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+
+
+@dataclass
+class Group:
+    prompt: Prompt
+    position: Position
+    input_ids: tuple[int, ...]
+    remaining: int
+    submitted_at: float = field(default_factory=time.time)
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.prompt.prompt_id}#0"  # attempt 0; a retried prompt gets a new attempt number
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Config, worker_id: str, engine: Engine, tokenizer) -> None:
+        self.cfg, self.worker_id, self.engine, self.tokenizer = cfg, worker_id, engine, tokenizer
+        self.sampling = sampling_params(cfg.rollout, tokenizer)
+        self.producer = RecordProducer(cfg.broker, client_id=f"rollout-{worker_id}")
+        self.prompts = RecordConsumer(cfg.broker, topics.PROMPTS, f"{cfg.broker.topic_prefix}rollout",
+                                      deadletter=self.producer).subscribe()
+        self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"rollout-{worker_id}-versions",
+                                       deadletter=self.producer).assign(partitions=[0])
+        self.credit = Credit(cfg)
+        self.offsets = OffsetTracker()
+        self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
+        self.weights_ready = asyncio.Event()
+        self.tasks: set[asyncio.Task] = set()
+        self.samples_done = 0
+        self.stalled_s = 0.0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        background = [asyncio.create_task(self._follow_weights(stop)), asyncio.create_task(self._report(stop))]
+        admit = asyncio.create_task(self._admit_forever())
+        await stop.wait()
+        admit.cancel()
+        for task in [*background, *self.tasks]:
+            task.cancel()
+        await asyncio.gather(admit, *background, *self.tasks, return_exceptions=True)
+        self.producer.flush()
+        self.prompts.close()
+        self.versions.close()
+
+    async def _admit_forever(self) -> None:
+        await self.weights_ready.wait()
+        group_mode = self.cfg.rollout.refill == "group"
+        while True:
+            group = await self._next_group()
+            if group_mode:
+                for _ in range(group.remaining):
+                    await self.slots.acquire()
+            for index in range(self.cfg.rollout.group_size):
+                if not group_mode:
+                    await self.slots.acquire()
+                self._spawn(self._sample(group, index, release_slot=not group_mode))
+
+    async def _next_group(self) -> Group:
+        """Wait for a credit, then for a prompt; the credit is returned if no prompt comes."""
+        while True:
+            if not self.credit.try_take():
+                started = time.monotonic()
+                await asyncio.sleep(0.1)
+                self.stalled_s += time.monotonic() - started
+                continue
+            delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
+            if delivery is None:
+                self.credit.give_back()
+                continue
+            prompt = delivery.records[0]
+            self.offsets.started(delivery.position.partition, delivery.position.offset)
+            input_ids = tuple(build_input_ids(self.tokenizer, prompt.question, self.cfg.data))
+            return Group(prompt, delivery.position, input_ids, self.cfg.rollout.group_size)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sample task failed", exc_info=task.exception())
+
+    async def _sample(self, group: Group, index: int, release_slot: bool) -> None:
+        request = GenerateRequest(request_id(group, index), group.input_ids, self.sampling)
+        try:
+            result = await self.engine.generate(request)
+        finally:
+            if release_slot:
+                self.slots.release()
+        self._publish(group, index, result)
+        group.remaining -= 1
+        self.samples_done += 1
+        if group.remaining == 0:
+            if not release_slot:
+                for _ in range(self.cfg.rollout.group_size):
+                    self.slots.release()
+            self.producer.flush()
+            self.offsets.done(group.position.partition, group.position.offset)
+            self.prompts.commit(self.offsets.committable())
+
+    def _publish(self, group: Group, index: int, result: GenerateResult) -> None:
+        text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        reward = score(text, json.loads(group.prompt.entry_json), self.cfg.data)
+        n = len(result.output_ids)
+        trajectory = Trajectory(
+            trajectory_id=request_id(group, index), group_id=group.group_id, prompt_id=group.prompt.prompt_id,
+            sample_index=index, group_size=self.cfg.rollout.group_size, prompt_ids=list(group.input_ids),
+            response_ids=list(result.output_ids), loss_mask=[1] * n, token_versions=list(result.versions),
+            reward=reward, status=STATUS[result.finish_reason], response_text=text, engine_id=self.worker_id,
+            worker_id=self.worker_id, submitted_at=group.submitted_at, finished_at=time.time(),
+        )
+        logprobs = LogProbs(trajectory.trajectory_id, group.group_id, index, self.cfg.rollout.group_size,
+                            list(result.logprobs))
+        self.producer.send(topics.TRAJECTORIES, [trajectory], key=group.group_id)
+        self.producer.send(topics.LOGPROBS, [logprobs], key=group.group_id)
+
+    async def _follow_weights(self, stop: asyncio.Event) -> None:
+        """Apply the newest announced version; tokens already generated keep the version that made them."""
+        while not stop.is_set():
+            latest: WeightVersion | None = None
+            for delivery in await asyncio.to_thread(self.versions.drain, 0.5, 5.0):
+                for record in delivery.records:
+                    if latest is None or record.version > latest.version:
+                        latest = record
+            if latest is not None and latest.version > self.engine.version:
+                await self._apply(latest)
+            self.weights_ready.set()
+
+    async def _apply(self, record: WeightVersion) -> None:
+        try:
+            tensors = await asyncio.to_thread(weights.load_version, record)
+            await self.engine.update_weights(record.version, tensors)
+        except (weights.WeightVerificationError, OSError, ValueError) as exc:
+            log.error("weight version %d rejected: %s", record.version, exc)
+            weights.acknowledge(self.producer, self.worker_id, record, None, error=str(exc))
+            return
+        weights.acknowledge(self.producer, self.worker_id, record, tensors)
+        log.info("engine %s now at weight version %d", self.worker_id, record.version)
+
+    async def _report(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
+        started = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(interval_s)
+            elapsed = time.monotonic() - started
+            values = {"samples": float(self.samples_done), "samples_per_s": self.samples_done / elapsed,
+                      "inflight": float(len(self.tasks)), "stalled_s": self.stalled_s,
+                      "engine_version": float(self.engine.version)}
+            self.producer.send(topics.METRICS, [Metrics(f"rollout/{self.worker_id}", int(elapsed), time.time(), values)])
+
+
+def request_id(group: Group, index: int) -> str:
+    return f"{group.group_id}/{index}"
+
+
+def run_worker(cfg: Config, worker_id: str) -> None:
+    configure_process(cfg.model)
+    seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
+    engine = CpuEngine(cfg.model, cfg.rollout, seed=seed)
+    worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await worker.run(stop)
+        await engine.close()
+
+    asyncio.run(main())
