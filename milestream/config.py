@@ -34,7 +34,9 @@ class ModelConfig(Section):
     lora_rank: int = 16  # 0: full fine-tuning
     lora_alpha: int = 32
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype (autocast in training)
+    # compute dtype (autocast in training); auto: bfloat16 where the CPU has native bf16 (AMX,
+    # AVX512-BF16), else float32 (emulated bf16 is several times slower than fp32)
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     seed: int = 0
     threads: int = 1  # torch intra-op threads per process; the loop's processes share the cores
 
@@ -68,20 +70,19 @@ class BufferConfig(Section):
 
 class TrainerConfig(Section):
     batch_groups: int = 4
-    steps: int = 40
+    steps: int = 60
     lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2
     tis_interval: tuple[float, float] = (0.0, 2.0)
-    micro_batch: int = 16  # sequences per forward/backward
     checkpoint_every: int = 5
     keep_weight_versions: int = 3
 
 
 class RunConfig(Section):
     run_dir: str = "runs/latest"
-    max_wall_s: float = 1800.0
+    max_wall_s: float = 840.0  # a time budget: the run stops at trainer.steps or here, whichever comes first
 
 
 class Config(Section):

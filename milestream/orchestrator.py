@@ -17,7 +17,7 @@ from pathlib import Path
 from milestream.config import Config
 from milestream.consumers.report import write_report
 from milestream.infra.kafka import Admin, RecordConsumer
-from milestream.infra.services import services
+from milestream.infra.services import die_with_parent, services
 from milestream.schemas import topics
 from milestream.schemas.records import Dropped, Metrics
 from milestream.streams.credit import Credit
@@ -33,7 +33,8 @@ class Child:
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "milestream.cli", *command, "--config", str(config_path)],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=die_with_parent)
 
     def stop(self, grace: float = 20.0) -> None:
         if self.proc.poll() is None:
@@ -75,34 +76,34 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
     return children + [trainer], trainer
 
 
-def follow(cfg: Config, children: list[Child], trainer: Child, started: float) -> tuple[list[Metrics], list[Dropped]]:
-    """Print trainer steps as they land; returns what the topics said once the trainer is done."""
+def follow(cfg: Config, children: list[Child], trainer: Child, started: float) -> tuple[list[Metrics], list[Dropped], str]:
+    """Print trainer steps as they land; returns what the topics said once the trainer is done, and why it ended."""
     metrics = RecordConsumer(cfg.broker, topics.METRICS, "run-monitor").assign(partitions=[0])
     drops = RecordConsumer(cfg.broker, topics.DROPPED, "run-monitor").assign(partitions=range(cfg.broker.partitions))
     steps: list[Metrics] = []
     dropped: list[Dropped] = []
-    trainer_done = False
+    stopped_by = "steps"
     while True:
         dropped += [r for d in drops.drain(0.05, 1.0) for r in d.records]
+        trainer_done = trainer.proc.poll() == 0
         delivery = metrics.poll(0.5)
-        if delivery is not None:
-            for record in delivery.records:
-                if record.source == "trainer":
-                    steps.append(record)
-                    print_step(cfg, record, dropped, time.monotonic() - started)
-        elif trainer_done:
-            break  # the trainer's last records are in
+        if delivery is None and trainer_done:
+            break  # the trainer flushed its last records before it exited
+        for record in delivery.records if delivery else []:
+            if record.source == "trainer":
+                steps.append(record)
+                print_step(cfg, record, dropped, time.monotonic() - started)
         for child in children:
             code = child.proc.poll()
             if code not in (None, 0) or (code == 0 and child.name not in ("loader", "trainer")):
                 raise RuntimeError(f"stage {child.name} exited with {code}:\n{child.tail()}")
-        trainer_done = trainer_done or trainer.proc.poll() == 0
-        if time.monotonic() - started > cfg.run.max_wall_s:
-            log.warning("run.max_wall_s reached: stopping the run")
-            break
+        if stopped_by == "steps" and time.monotonic() - started > cfg.run.max_wall_s:
+            print(f"run.max_wall_s ({cfg.run.max_wall_s:.0f}s) reached: the trainer finishes its step and stops", flush=True)
+            trainer.proc.terminate()
+            stopped_by = "wall_budget"
     metrics.close()
     drops.close()
-    return steps, dropped
+    return steps, dropped, stopped_by
 
 
 def print_step(cfg: Config, record: Metrics, dropped: list[Dropped], elapsed: float) -> None:
@@ -126,11 +127,11 @@ def run_loop(cfg: Config) -> dict:
         config_path.write_text(live.to_yaml())
         children, trainer = start_stages(live, config_path, log_dir)
         try:
-            steps, dropped = follow(live, children, trainer, started)
+            steps, dropped, stopped_by = follow(live, children, trainer, started)
         finally:
             for child in reversed(children):
-                child.stop()
-        summary = write_report(run_dir, steps, dropped, time.monotonic() - started)
+                child.stop(grace=120.0 if child is trainer else 20.0)
+        summary = write_report(run_dir, steps, dropped, time.monotonic() - started, stopped_by=stopped_by)
     print(f"summary: {summary}")
     print(f"wrote {run_dir / 'summary.json'} and {run_dir / 'reward_staleness.png'}")
     return summary

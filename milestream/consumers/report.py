@@ -17,7 +17,7 @@ def _quarter_mean(values: Sequence[float], last: bool) -> float:
     return sum(chunk) / len(chunk)
 
 
-def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float) -> dict:
+def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float, stopped_by: str = "steps") -> dict:
     steps = sorted(steps, key=lambda m: m.step)
     rewards = [m.values["reward_mean"] for m in steps]
     lags = [lag for m in steps for lag in m.group_staleness]
@@ -31,12 +31,14 @@ def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: floa
         "staleness_max": max(lags) if lags else 0,
         "final_version": int(steps[-1].values["version"]) if steps else 0,
         "wall_s": wall_s,
+        "stopped_by": stopped_by,
     }
 
 
-def write_report(run_dir: str | Path, steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float) -> dict:
+def write_report(run_dir: str | Path, steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float,
+                 stopped_by: str = "steps") -> dict:
     run_dir = Path(run_dir)
-    summary = summarise(steps, dropped, wall_s)
+    summary = summarise(steps, dropped, wall_s, stopped_by)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(run_dir / "steps.jsonl", "w") as out:
         for m in sorted(steps, key=lambda m: m.step):

@@ -14,13 +14,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from milestream.config import Config
 from milestream.consumers import checkpoint
-from milestream.consumers.objectives import grpo_advantages, policy_loss, token_logprobs
+from milestream.consumers.logprobs import pad, shared_prompt_logprobs
+from milestream.consumers.objectives import grpo_advantages, policy_loss
 from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer
-from milestream.infra.model import configure_process, load_model, load_tokenizer, load_trainable_state_dict, trainable_state_dict
+from milestream.infra.model import (compute_dtype, configure_process, load_model, load_trainable_state_dict,
+                                    trainable_state_dict)
 from milestream.schemas import topics
 from milestream.schemas.records import GroupSample, Metrics
 from milestream.streams import weights
@@ -41,8 +42,8 @@ class Trainer:
     def __init__(self, cfg: Config):
         configure_process(cfg.model)
         self.cfg = cfg
-        self.model = load_model(cfg.model, dtype=torch.float32).train()
-        self.pad_id = load_tokenizer(cfg.model).pad_token_id
+        self.model = load_model(cfg.model, dtype=torch.float32).train()  # fp32 master weights
+        self.autocast = compute_dtype(cfg.model) == torch.bfloat16
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
         self.state = self._resume()
@@ -108,15 +109,13 @@ class Trainer:
         return batch
 
     def train_step(self, batch: list[CollectedGroup]) -> dict[str, float]:
+        """One optimizer step over the batch, one forward/backward per group (its prompt run once)."""
         samples = [s for g in batch for s in g.samples]
-        advantages = torch.cat([grpo_advantages(torch.tensor([s.reward for s in g.samples])) for g in batch])
         total_tokens = sum(sum(s.loss_mask) for s in samples)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        micro = self.cfg.trainer.micro_batch
-        for start in range(0, len(samples), micro):
-            terms = self._micro_step(samples[start:start + micro], advantages[start:start + micro], total_tokens)
-            for key, value in terms.items():
+        for group in batch:
+            for key, value in self._group_backward(group.samples, total_tokens).items():
                 totals[key] = totals.get(key, 0.0) + value
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.max_grad_norm))
@@ -130,33 +129,25 @@ class Trainer:
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
 
-    def _micro_step(self, samples: list[GroupSample], advantages: Tensor, total_tokens: int) -> dict[str, float]:
-        input_ids, targets, mask, rollout_logp, adv = self._tensors(samples, advantages)
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            logits = self.model(input_ids=input_ids).logits  # right padding: causal attention never sees it
-        logp = token_logprobs(logits[:, :-1] / max(self.cfg.rollout.temperature, 1e-6), targets)
-        terms = policy_loss(logp, rollout_logp, adv, mask, self.cfg.trainer.clip_eps, self.cfg.trainer.tis_interval)
-        loss = terms.loss_sum / max(total_tokens, 1)
-        loss.backward()
-        return {"loss": float(loss), "tis_weight_sum": terms.tis_weight_sum, "tis_clipped": terms.tis_clipped,
-                "logprob_diff_sum": terms.logprob_diff_sum, "kl_sum": terms.kl_sum, "tokens": terms.tokens}
-
-    def _tensors(self, samples: list[GroupSample], advantages: Tensor) -> tuple[Tensor, ...]:
-        """Right-padded [B, L] inputs; the per-token tensors are aligned with targets (inputs shifted by one)."""
-        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        input_ids = torch.full((len(samples), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(samples), length - 1)
-        rollout_logp = torch.zeros(len(samples), length - 1)
-        for row, s in enumerate(samples):
-            sequence = s.prompt_ids + s.response_ids
-            input_ids[row, :len(sequence)] = torch.tensor(sequence)
-            first = len(s.prompt_ids) - 1  # the position whose logits predict the first response token
-            mask[row, first:first + len(s.response_ids)] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            rollout_logp[row, first:first + len(s.response_ids)] = torch.tensor(s.logprobs)
-        targets = input_ids[:, 1:]
-        adv = advantages.view(-1, 1).expand_as(mask)
-        return input_ids, targets, mask, rollout_logp, adv
+    def _group_backward(self, samples: list[GroupSample], total_tokens: int) -> dict[str, float]:
+        """Accumulate the group's share of the batch loss (averaged over all tokens of the batch)."""
+        advantages = grpo_advantages(torch.tensor([s.reward for s in samples]))
+        totals: dict[str, float] = {}
+        for prompt_ids, rows in _by_prompt(samples):  # one group shares one prompt; multi-turn may not
+            mask = pad([s.loss_mask for s in rows])
+            rollout_logp = pad([s.logprobs for s in rows])
+            adv = advantages[[s.sample_index for s in rows]].view(-1, 1).expand_as(mask)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                logp = shared_prompt_logprobs(self.model, prompt_ids, [s.response_ids for s in rows],
+                                              self.cfg.rollout.temperature)
+            terms = policy_loss(logp, rollout_logp, adv, mask, self.cfg.trainer.clip_eps, self.cfg.trainer.tis_interval)
+            loss = terms.loss_sum / max(total_tokens, 1)
+            loss.backward()
+            for key, value in {"loss": loss.item(), "tis_weight_sum": terms.tis_weight_sum,
+                               "tis_clipped": terms.tis_clipped, "logprob_diff_sum": terms.logprob_diff_sum,
+                               "kl_sum": terms.kl_sum, "tokens": terms.tokens}.items():
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
 
     def save(self) -> None:
         checkpoint.save(self.cfg.run.run_dir, self.state, trainable_state_dict(self.model), self.optimizer)
@@ -171,6 +162,13 @@ class Trainer:
         log.info("step %d reward %.3f loss %.4f staleness %.2f/%d queue %d (%.1fs)", self.state.step,
                  values["reward_mean"], values["loss"], values["staleness_mean"], max(lags), values["queue_size"],
                  figures["step_s"])
+
+
+def _by_prompt(samples: list[GroupSample]) -> list[tuple[list[int], list[GroupSample]]]:
+    rows: dict[tuple[int, ...], list[GroupSample]] = {}
+    for sample in samples:
+        rows.setdefault(tuple(sample.prompt_ids), []).append(sample)
+    return [(list(prompt), group) for prompt, group in rows.items()]
 
 
 def run_trainer(cfg: Config) -> None:

@@ -7,6 +7,8 @@ a free port of 127.0.0.1. Given ``--bootstrap-servers`` / ``--redis-url`` nothin
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import importlib.util
 import logging
 import os
@@ -24,6 +26,12 @@ from confluent_kafka.admin import AdminClient
 from milestream.config import Config
 
 log = logging.getLogger(__name__)
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies, so a killed run leaves nothing behind."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -62,7 +70,8 @@ class _Service:
 
     def start(self, timeout: float = 30.0) -> "_Service":
         self.proc = subprocess.Popen(self.command(), stdout=self.logfile, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:  # tansu panics yet exits 0 when the port is taken

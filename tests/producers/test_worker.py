@@ -1,0 +1,62 @@
+"""The rollout worker against the real broker and Redis: publishing, and backpressure through credit."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from milestream.infra.kafka import RecordConsumer
+from milestream.infra.model import load_tokenizer
+from milestream.producers.engine import CpuEngine
+from milestream.producers.loader import load_prompts
+from milestream.producers.worker import RolloutWorker
+from milestream.schemas import topics
+from milestream.streams.credit import Credit
+
+
+def published_groups(consumer: RecordConsumer, seen: dict[str, list]) -> dict[str, list]:
+    for delivery in consumer.drain(idle_s=0.5, max_wait_s=5):
+        for record in delivery.records:
+            seen.setdefault(record.group_id, []).append(record)
+    return seen
+
+
+async def run_until(worker: RolloutWorker, condition, timeout: float = 120.0) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(condition) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    stop.set()
+    await task
+
+
+def test_worker_publishes_groups_and_stalls_without_credit(cfg):
+    load_prompts(cfg, count=20)
+    credit = Credit(cfg)
+    engine = CpuEngine(cfg.model, cfg.rollout, seed=1)
+    worker = RolloutWorker(cfg, "w-test", engine, load_tokenizer(cfg.model))
+    trajectories = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))
+    seen: dict[str, list] = {}
+    capacity = cfg.buffer_capacity
+
+    def full_groups() -> int:
+        published_groups(trajectories, seen)
+        return sum(len(v) == cfg.rollout.group_size for v in seen.values())
+
+    asyncio.run(run_until(worker, lambda: full_groups() >= capacity))
+    time.sleep(2)
+    assert full_groups() == capacity  # no credit left: nothing more was admitted
+    assert credit.available() == 0
+    for group in seen.values():
+        assert sorted(t.sample_index for t in group) == list(range(cfg.rollout.group_size))
+        for t in group:
+            assert len(t.response_ids) == len(t.loss_mask) == len(t.token_versions) > 0
+            assert t.status in ("completed", "truncated") and t.token_versions == [0] * len(t.response_ids)
+
+    credit.give_back()  # one group left the buffer: exactly one more is admitted
+    worker = RolloutWorker(cfg, "w-test", engine, load_tokenizer(cfg.model))
+    asyncio.run(run_until(worker, lambda: full_groups() >= capacity + 1))
+    time.sleep(2)
+    assert full_groups() == capacity + 1
+    asyncio.run(engine.close())
+    trajectories.close()

@@ -1,0 +1,72 @@
+import dataclasses
+
+import pyarrow as pa
+import pytest
+
+from milestream.schemas import topics
+from milestream.schemas.codec import Position, RecordError, decode, encode, schema_with_id
+from milestream.schemas.records import GroupSample, LogProbs, Metrics, Record, Trajectory
+
+POS = Position("rollout.trajectories", 2, 17)
+
+
+def trajectory(i: int = 0, **changes) -> Trajectory:
+    fields = dict(trajectory_id=f"g/{i}", group_id="g", prompt_id="p", sample_index=i, group_size=2,
+                  prompt_ids=[1, 2, 3], response_ids=[4, 5], loss_mask=[1, 1], token_versions=[3, 4],
+                  reward=1.0, status="completed", response_text="5</answer>", engine_id="e", worker_id="w",
+                  submitted_at=1.0, finished_at=2.0)
+    return Trajectory(**{**fields, **changes})
+
+
+def test_every_topic_round_trips_its_record_type():
+    assert {spec.record for spec in topics.CATALOGUE} >= {Trajectory, LogProbs, GroupSample, Metrics}
+    for spec in topics.CATALOGUE:
+        assert issubclass(spec.record, Record)
+        assert spec.record.SCHEMA.names == [f.name for f in dataclasses.fields(spec.record)]
+
+
+def test_round_trip_keeps_values_and_order():
+    records = [trajectory(0), trajectory(1, status="aborted", token_versions=[7, 8])]
+    assert decode(encode(records), Trajectory, POS) == records
+    metrics = Metrics("trainer", 3, 1.5, {"reward_mean": 0.25}, ["g1"], [1])
+    assert decode(encode([metrics]), Metrics) == [metrics]
+
+
+def test_value_is_zstd_arrow_ipc_with_schema_id():
+    table = pa.ipc.open_stream(encode([trajectory()])).read_all()
+    assert table.schema.metadata[b"milestream.schema"] == b"Trajectory/1"
+
+
+def test_garbage_names_topic_partition_offset():
+    with pytest.raises(RecordError) as err:
+        decode(b"\x00garbage", Trajectory, POS)
+    assert "rollout.trajectories[2]@17" in str(err.value) and err.value.field == "<value>"
+
+
+def test_wrong_schema_version_is_refused():
+    schema = schema_with_id(Trajectory).with_metadata({b"milestream.schema": b"Trajectory/99"})
+    batch = pa.RecordBatch.from_pylist([trajectory().to_row()], schema=schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(batch)
+    with pytest.raises(RecordError, match="Trajectory/99") as err:
+        decode(sink.getvalue().to_pybytes(), Trajectory, POS)
+    assert err.value.field == "<schema>"
+
+
+def test_wrong_record_type_names_the_missing_field():
+    value = encode([LogProbs("g/0", "g", 0, 2, [-0.5])])
+    with pytest.raises(RecordError):
+        decode(value, Trajectory, POS)
+
+
+def test_field_of_wrong_type_is_named():
+    schema = Trajectory.SCHEMA.set(Trajectory.SCHEMA.get_field_index("reward"), pa.field("reward", pa.string()))
+    schema = schema.with_metadata({b"milestream.schema": b"Trajectory/1"})
+    row = {**trajectory().to_row(), "reward": "high"}
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.RecordBatch.from_pylist([row], schema=schema))
+    with pytest.raises(RecordError) as err:
+        decode(sink.getvalue().to_pybytes(), Trajectory, POS)
+    assert err.value.field == "reward"

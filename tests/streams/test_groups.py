@@ -1,0 +1,80 @@
+import pytest
+
+from milestream.schemas.records import LogProbs, Trajectory
+from milestream.streams.filters import reward_nonzero_std
+from milestream.streams.groups import GroupAssembler, load_filter, oldest_version, staleness
+
+
+def traj(group: str, i: int, size: int = 2, status: str = "completed", reward: float = 0.0, versions=(1, 2)):
+    return Trajectory(f"{group}/{i}", group, "p", i, size, [1], [2, 3], [1, 1], list(versions), reward, status,
+                      "", "e", "w", 0.0, 0.0)
+
+
+def lp(group: str, i: int, size: int = 2):
+    return LogProbs(f"{group}/{i}", group, i, size, [-0.1, -0.2])
+
+
+def test_group_completes_only_with_every_trajectory_and_logprob_in_any_order():
+    assembler = GroupAssembler()
+    assert assembler.add(lp("g", 1), "h1") == (None, True)
+    assert assembler.add(traj("g", 0, reward=1.0), "h2") == (None, True)
+    assert assembler.add(traj("g", 1), "h3") == (None, True)
+    outcome, fresh = assembler.add(lp("g", 0), "h4")
+    assert fresh and outcome.dropped is None
+    assert [s.sample_index for s in outcome.samples] == [0, 1]
+    assert outcome.samples[1].logprobs == pytest.approx([-0.1, -0.2])
+    assert sorted(outcome.handles) == ["h1", "h2", "h3", "h4"]
+
+
+def test_duplicates_are_ignored_before_and_after_completion():
+    assembler = GroupAssembler()
+    assembler.add(traj("g", 0), 1)
+    assert assembler.add(traj("g", 0), 2) == (None, False)
+    assembler.add(traj("g", 1), 3)
+    assembler.add(lp("g", 0), 4)
+    outcome, _ = assembler.add(lp("g", 1), 5)
+    assert outcome is not None and 2 not in outcome.handles
+    assert assembler.add(traj("g", 1), 6) == (None, False)
+
+
+def test_aborted_sample_drops_the_group_before_the_filter_runs():
+    calls = []
+    assembler = GroupAssembler(group_filter=lambda s: calls.append(s) or (True, ""))
+    for record in (traj("g", 0), traj("g", 1, status="aborted"), lp("g", 0), lp("g", 1)):
+        outcome, _ = assembler.add(record)
+    assert outcome.dropped.reason == "aborted" and "[1]" in outcome.dropped.detail
+    assert calls == []
+
+
+def test_user_filter_rejects_with_its_reason():
+    assembler = GroupAssembler(group_filter=reward_nonzero_std)
+    for record in (traj("g", 0, reward=1.0), traj("g", 1, reward=1.0), lp("g", 0), lp("g", 1)):
+        outcome, _ = assembler.add(record)
+    assert outcome.dropped.reason == "filtered" and "rewards equal 1.0" in outcome.dropped.detail
+
+
+def test_pre_drop_uses_the_oldest_token_version():
+    assembler = GroupAssembler(max_staleness=2)
+    assembler.latest_version = 4
+    for record in (traj("g", 0, versions=(3, 4)), traj("g", 1, versions=(1, 4)), lp("g", 0), lp("g", 1)):
+        outcome, _ = assembler.add(record)
+    assert outcome.dropped.reason == "stale" and outcome.dropped.min_version == 1
+
+
+def test_staleness_is_pessimistic():
+    samples = [traj("g", 0, versions=(5, 6)), traj("g", 1, versions=(3, 6))]
+    assert oldest_version(samples) == 3
+    assert staleness(samples, 6) == 3
+
+
+def test_incomplete_groups_expire_with_a_reason():
+    assembler = GroupAssembler()
+    assembler.add(traj("g", 0))
+    (outcome,) = assembler.expire(older_than_s=-1)
+    assert outcome.dropped.reason == "incomplete" and "1/2 trajectories" in outcome.dropped.detail
+    assert assembler.add(traj("g", 1)) == (None, False)
+
+
+def test_filter_is_loaded_by_import_path():
+    assert load_filter("milestream.streams.filters:reward_nonzero_std") is reward_nonzero_std
+    assert load_filter("milestream.streams.filters.reward_nonzero_std") is reward_nonzero_std
