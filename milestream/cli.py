@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from milestream.config import Config, load_config
 
@@ -58,9 +60,15 @@ def _train(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.producers.loader import load_prompts
+    from milestream.producers.loader import feed_prompts, load_prompts
 
-    count = load_prompts(cfg, start=args.start, count=args.count)
+    if args.follow:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        count = feed_prompts(cfg, lookahead=args.lookahead or 2 * cfg.buffer_capacity, stop=stop)
+    else:
+        count = load_prompts(cfg, start=args.start, count=args.count)
     print(f"published {count} prompts")
     return 0
 
@@ -84,7 +92,7 @@ COMMANDS = {
     "rollout": (_rollout, "run a rollout worker (engine + async sampling)"),
     "process": (_process, "run the stream processor (faust worker)"),
     "train": (_train, "run the trainer"),
-    "load-prompts": (_load_prompts, "publish task prompts on the prompts topic"),
+    "load-prompts": (_load_prompts, "publish task prompts on the prompts topic (--follow: keep feeding)"),
     "topics": (_topics, "create or list the topics"),
 }
 
@@ -100,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "load-prompts":
             command.add_argument("--start", type=int, default=0)
             command.add_argument("--count", type=int, default=1000)
+            command.add_argument("--follow", action="store_true",
+                                 help="keep --lookahead prompts ahead of rollout admissions until stopped")
+            command.add_argument("--lookahead", type=int, help="default: twice the buffer capacity")
         if name == "topics":
             command.add_argument("action", choices=["create", "list"])
     args = parser.parse_args(argv)

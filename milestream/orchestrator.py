@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import subprocess
 import sys
 import time
@@ -49,11 +48,6 @@ class Child:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def prompts_needed(cfg: Config) -> int:
-    # Enough for every step even if a third of the groups were dropped, plus what sits in the buffer.
-    return math.ceil((cfg.trainer.steps * cfg.trainer.batch_groups * 1.5) + cfg.buffer_capacity * 2)
-
-
 def prepare(cfg: Config) -> None:
     """Build the model cache once here, rather than in every stage at once."""
     import torch
@@ -67,8 +61,7 @@ def prepare(cfg: Config) -> None:
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
     Admin(cfg.broker).create_topics()
     Credit(cfg).initialise()
-    count = str(prompts_needed(cfg))
-    children = [Child("loader", ["load-prompts", "--count", count], config_path, log_dir),
+    children = [Child("loader", ["load-prompts", "--follow"], config_path, log_dir),
                 Child("processor", ["process"], config_path, log_dir)]
     children += [Child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"], config_path, log_dir)
                  for i in range(cfg.rollout.num_workers)]
@@ -95,7 +88,7 @@ def follow(cfg: Config, children: list[Child], trainer: Child, started: float) -
                 print_step(cfg, record, dropped, time.monotonic() - started)
         for child in children:
             code = child.proc.poll()
-            if code not in (None, 0) or (code == 0 and child.name not in ("loader", "trainer")):
+            if code not in (None, 0) or (code == 0 and child is not trainer):
                 raise RuntimeError(f"stage {child.name} exited with {code}:\n{child.tail()}")
         if stopped_by == "steps" and time.monotonic() - started > cfg.run.max_wall_s:
             print(f"run.max_wall_s ({cfg.run.max_wall_s:.0f}s) reached: the trainer finishes its step and stops", flush=True)

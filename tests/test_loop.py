@@ -40,14 +40,19 @@ def inject_aborted_group(cfg) -> str:
 def loop_cfg(cfg, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", PLUGINS)
     return cfg.with_overrides(buffer={"filter": "loop_filters:reject_every_third_prompt", "max_staleness": 1},
-                              trainer={"steps": 4, "checkpoint_every": 2})
+                              trainer={"steps": 4, "checkpoint_every": 2}, run={"max_wall_s": 240})
 
 
 def test_whole_loop(loop_cfg):
     cfg = loop_cfg
     aborted = inject_aborted_group(cfg)
-    summary = run_loop(cfg)
-    assert summary["steps"] == cfg.trainer.steps
+    try:
+        summary = run_loop(cfg)
+        assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
+    except BaseException:
+        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
+            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        raise
 
     every = {spec.name: read_all(cfg, spec) for spec in topics.CATALOGUE}  # decodes every record
     assert every["deadletter"] == []

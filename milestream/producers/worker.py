@@ -98,6 +98,7 @@ class RolloutWorker:
                 self.credit.give_back()
                 continue
             prompt = delivery.records[0]
+            self.credit.prompt_admitted()
             self.offsets.started(delivery.position.partition, delivery.position.offset)
             input_ids = tuple(build_input_ids(self.tokenizer, prompt.question, self.cfg.data))
             return Group(prompt, delivery.position, input_ids, self.cfg.rollout.group_size)

@@ -25,6 +25,8 @@ class Credit:
         namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
         self.key = namespace + "credit"
         self.queued_key = namespace + "queued"
+        self.admitted_key = namespace + "prompts-admitted"
+        self.published_key = namespace + "prompts-published"
         self.capacity = cfg.buffer_capacity
         self._take = self.client.register_script(_TAKE)
 
@@ -51,3 +53,16 @@ class Credit:
 
     def queued(self) -> int:
         return int(self.client.get(self.queued_key) or 0)
+
+    # The prompt feeder keeps a bounded look-ahead of prompts beyond what workers have admitted.
+    def prompt_admitted(self) -> None:
+        self.client.incr(self.admitted_key)
+
+    def prompts_admitted(self) -> int:
+        return int(self.client.get(self.admitted_key) or 0)
+
+    def prompts_published(self) -> int:
+        return int(self.client.get(self.published_key) or 0)
+
+    def set_prompts_published(self, position: int) -> None:
+        self.client.set(self.published_key, position)
