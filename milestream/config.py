@@ -21,6 +21,9 @@ class BrokerConfig(Section):
     topic_prefix: str = ""  # isolates runs sharing one cluster
     partitions: int = 4
     max_message_bytes: int = 64 * 1024 * 1024
+    # tansu answers an empty fetch only after about half this wait, even when data arrives
+    # meanwhile; a short wait keeps hand-offs fast (real Kafka answers as soon as data is there)
+    fetch_wait_ms: int = 50
     client: dict[str, str] = Field(default_factory=dict)  # extra librdkafka settings (SASL/SSL, ...)
 
 

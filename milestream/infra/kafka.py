@@ -129,7 +129,8 @@ class RecordConsumer(Generic[R]):
                  deadletter: RecordProducer | None = None, **extra: str):
         self.cfg, self.spec, self.deadletter = cfg, spec, deadletter
         settings = {"group.id": group_id, "enable.auto.commit": "false", "auto.offset.reset": "earliest",
-                    "fetch.message.max.bytes": str(cfg.max_message_bytes), **GROUP_TIMEOUTS, **extra}
+                    "fetch.message.max.bytes": str(cfg.max_message_bytes),
+                    "fetch.wait.max.ms": str(cfg.fetch_wait_ms), **GROUP_TIMEOUTS, **extra}
         self.consumer = Consumer(client_config(cfg, **settings))
         self.topic = topic_name(cfg, spec)
 
