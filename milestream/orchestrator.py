@@ -16,7 +16,7 @@ from pathlib import Path
 from milestream.config import Config
 from milestream.consumers.report import write_report
 from milestream.infra.kafka import Admin, RecordConsumer
-from milestream.infra.services import die_with_parent, services
+from milestream.infra.services import die_with_parent, services, terminate
 from milestream.schemas import topics
 from milestream.schemas.records import Dropped, Metrics
 from milestream.streams.credit import Credit
@@ -36,13 +36,7 @@ class Child:
                                          preexec_fn=die_with_parent)
 
     def stop(self, grace: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, grace)
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -76,24 +70,28 @@ def follow(cfg: Config, children: list[Child], trainer: Child, started: float) -
     steps: list[Metrics] = []
     dropped: list[Dropped] = []
     stopped_by = "steps"
-    while True:
-        dropped += [r for d in drops.drain(0.05, 1.0) for r in d.records]
-        trainer_done = trainer.proc.poll() == 0
-        delivery = metrics.poll(0.5)
-        if delivery is None and trainer_done:
-            break  # the trainer flushed its last records before it exited
-        for record in delivery.records if delivery else []:
+
+    def take(deliveries) -> None:
+        for record in (r for d in deliveries for r in d.records):
             if record.source == "trainer":
                 steps.append(record)
                 print_step(cfg, record, dropped, time.monotonic() - started)
+
+    while trainer.proc.poll() is None:
+        dropped += [r for d in drops.drain(0.05, 1.0) for r in d.records]
+        delivery = metrics.poll(0.5)
+        take([delivery] if delivery else [])
         for child in children:
-            code = child.proc.poll()
-            if code not in (None, 0) or (code == 0 and child is not trainer):
-                raise RuntimeError(f"stage {child.name} exited with {code}:\n{child.tail()}")
+            if child.proc.poll() is not None and child is not trainer:
+                raise RuntimeError(f"stage {child.name} exited with {child.proc.returncode}:\n{child.tail()}")
         if stopped_by == "steps" and time.monotonic() - started > cfg.run.max_wall_s:
             print(f"run.max_wall_s ({cfg.run.max_wall_s:.0f}s) reached: the trainer finishes its step and stops", flush=True)
             trainer.proc.terminate()
             stopped_by = "wall_budget"
+    if trainer.proc.returncode != 0:
+        raise RuntimeError(f"the trainer exited with {trainer.proc.returncode}:\n{trainer.tail()}")
+    dropped += [r for d in drops.drain(0.5, 10.0) for r in d.records]  # it flushed everything before exiting
+    take(metrics.drain(0.5, 10.0))
     metrics.close()
     drops.close()
     return steps, dropped, stopped_by

@@ -34,6 +34,18 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL if the process is still there after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -84,14 +96,8 @@ class _Service:
         raise TimeoutError(f"{self.name} not ready after {timeout}s; log: {self.log_tail()}")
 
     def stop(self, grace: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, grace)
 
     def log_tail(self, chars: int = 2000) -> str:
         return Path(self.logfile.name).read_text(errors="replace")[-chars:]
