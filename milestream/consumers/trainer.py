@@ -19,14 +19,14 @@ from milestream.config import Config
 from milestream.consumers import checkpoint
 from milestream.consumers.logprobs import pad, shared_prompt_logprobs
 from milestream.consumers.objectives import grpo_advantages, policy_loss
-from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer
+from milestream.consumers.collector import GroupCollector
+from milestream.infra.kafka import Admin, RecordProducer
 from milestream.infra.model import (compute_dtype, configure_process, load_model, load_trainable_state_dict,
                                     trainable_state_dict)
 from milestream.schemas import topics
 from milestream.schemas.records import GroupSample, Metrics
 from milestream.streams import weights
 from milestream.streams.credit import Credit
-from milestream.streams.groups import drop_record, staleness
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,8 @@ class Trainer:
         self.state = self._resume()
         self.producer = RecordProducer(cfg.broker, client_id="trainer")
         self.credit = Credit(cfg)
-        partitions = Admin(cfg.broker).partitions(topics.GROUPS)
-        self.groups = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
-                                     deadletter=self.producer).assign(self.state.offsets, partitions)
+        self.collector = GroupCollector(cfg, self.producer, self.state.offsets,
+                                        Admin(cfg.broker).partitions(topics.GROUPS), self.state.seen_groups)
         self.stopping = False
 
     def _resume(self) -> checkpoint.TrainerState:
@@ -81,32 +80,13 @@ class Trainer:
         if self.stopping and self.state.step % self.cfg.trainer.checkpoint_every:
             self.save()
         self.producer.flush()
-        self.groups.close()
+        self.collector.close()
 
     def collect(self) -> list[CollectedGroup] | None:
-        batch: list[CollectedGroup] = []
-        while len(batch) < self.cfg.trainer.batch_groups:
-            if self.stopping:
-                return None
-            delivery = self.groups.poll(1.0)
-            if delivery is None:
-                continue
-            self.state.offsets[delivery.position.partition] = delivery.position.offset + 1
-            samples = delivery.records
-            group_id = samples[0].group_id
-            if group_id in self.state.seen_groups:
-                continue  # re-emitted after a processor restart: already trained or dropped
-            self.state.seen_groups.add(group_id)
-            self.credit.dequeued()
-            self.credit.give_back()
-            lag = staleness(samples, self.state.version)
-            if lag > self.cfg.buffer.max_staleness:
-                detail = f"staleness {lag} > {self.cfg.buffer.max_staleness}"
-                record = drop_record(group_id, samples, "stale", detail, "trainer", self.state.version)
-                self.producer.send(topics.DROPPED, [record], key=group_id)
-                continue
-            batch.append(CollectedGroup(group_id, samples, lag))
-        return batch
+        taken = self.collector.take(self.cfg.trainer.batch_groups, self.state.version, lambda: self.stopping)
+        if taken is None:
+            return None
+        return [CollectedGroup(group.group_id, group.samples, lag) for group, lag in taken]
 
     def train_step(self, batch: list[CollectedGroup]) -> dict[str, float]:
         """One optimizer step over the batch, one forward/backward per group (its prompt run once)."""
@@ -150,6 +130,7 @@ class Trainer:
         return totals
 
     def save(self) -> None:
+        self.state.offsets = self.collector.offsets()
         checkpoint.save(self.cfg.run.run_dir, self.state, trainable_state_dict(self.model), self.optimizer)
 
     def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:

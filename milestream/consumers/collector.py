@@ -1,0 +1,116 @@
+"""Taking groups out of the buffer for a training step: the trainer's side of the buffer.
+
+Groups read from ``buffer.groups`` wait in a local pool; a data selector (an import path) picks
+each batch from the pool. At collection a group past the staleness window is dropped onto
+``buffer.dropped`` (Miles' third drop rule). A group leaves the buffer — its credit returns — when
+it is taken or dropped. The offsets to checkpoint stop below the oldest group still in the pool, so a
+resumed trainer re-reads what it had not used, and skips by id what it had.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from milestream.config import Config
+from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
+from milestream.schemas import topics
+from milestream.schemas.codec import Position
+from milestream.schemas.records import GroupSample
+from milestream.streams.credit import Credit
+from milestream.streams.groups import drop_record, oldest_version, staleness
+
+
+@dataclass(frozen=True)
+class PooledGroup:
+    group_id: str
+    samples: list[GroupSample]
+    position: Position
+    arrival: int  # order of arrival in this trainer process
+
+    @property
+    def oldest_version(self) -> int:
+        oldest = oldest_version(self.samples)
+        return -1 if oldest is None else oldest
+
+
+Selector = Callable[[Sequence[PooledGroup], int], list[PooledGroup]]
+
+
+def fifo(pool: Sequence[PooledGroup], count: int) -> list[PooledGroup]:
+    """The groups that arrived first (the default)."""
+    return sorted(pool, key=lambda g: g.arrival)[:count]
+
+
+def freshest_first(pool: Sequence[PooledGroup], count: int) -> list[PooledGroup]:
+    """The groups whose oldest token is newest: less off-policy data, older groups wait (and may go stale)."""
+    return sorted(pool, key=lambda g: (-g.oldest_version, g.arrival))[:count]
+
+
+def load_selector(path: str) -> Selector:
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"buffer.selector {path!r} does not name a function: {exc}") from None
+
+
+class GroupCollector:
+    def __init__(self, cfg: Config, producer: RecordProducer, offsets: dict[int, int], partitions: list[int],
+                 seen_groups: set[str]):
+        self.cfg, self.producer, self.seen_groups = cfg, producer, seen_groups
+        self.selector = load_selector(cfg.buffer.selector)
+        self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
+                                       deadletter=producer).assign(offsets, partitions)
+        self.tracker = OffsetTracker()
+        self.resumed_offsets = dict(offsets)
+        self.credit = Credit(cfg)
+        self.pool: dict[str, PooledGroup] = {}
+        self.arrivals = 0
+
+    def take(self, count: int, version: int, stopping: Callable[[], bool]) -> list[tuple[PooledGroup, int]] | None:
+        """``count`` fresh groups chosen by the selector, each with its staleness; None once stopping."""
+        while not stopping():
+            self._read(timeout=0.05 if len(self.pool) >= count else 1.0)
+            self._drop_stale(version)
+            if len(self.pool) >= count:
+                chosen = self.selector(list(self.pool.values()), count)
+                for group in chosen:
+                    self._leave(group)
+                return [(g, staleness(g.samples, version)) for g in chosen]
+        return None
+
+    def offsets(self) -> dict[int, int]:
+        """Next offsets to read on resume: below the oldest group still pooled."""
+        return {**self.resumed_offsets, **self.tracker.committable()}
+
+    def _read(self, timeout: float) -> None:
+        while (delivery := self.consumer.poll(timeout)) is not None:
+            timeout = 0.0  # take what is already there, then go on
+            position = delivery.position
+            self.tracker.started(position.partition, position.offset)
+            group_id = delivery.records[0].group_id
+            if group_id in self.seen_groups or group_id in self.pool:
+                self.tracker.done(position.partition, position.offset)  # re-emitted after a processor restart
+                continue
+            self.pool[group_id] = PooledGroup(group_id, delivery.records, position, self.arrivals)
+            self.arrivals += 1
+
+    def _drop_stale(self, version: int) -> None:
+        for group in list(self.pool.values()):
+            lag = staleness(group.samples, version)
+            if lag > self.cfg.buffer.max_staleness:
+                detail = f"staleness {lag} > {self.cfg.buffer.max_staleness}"
+                record = drop_record(group.group_id, group.samples, "stale", detail, "trainer", version)
+                self.producer.send(topics.DROPPED, [record], key=group.group_id)
+                self._leave(group)
+
+    def _leave(self, group: PooledGroup) -> None:
+        del self.pool[group.group_id]
+        self.seen_groups.add(group.group_id)
+        self.tracker.done(group.position.partition, group.position.offset)
+        self.credit.dequeued()
+        self.credit.give_back()
+
+    def close(self) -> None:
+        self.consumer.close()
