@@ -68,7 +68,16 @@ class BufferConfig(Section):
     capacity_factor: float = 2.0  # capacity in groups = factor x trainer.batch_groups
     max_staleness: int = 2  # versions; a group older than this is dropped at collection
     filter: str | None = None  # import path: fn(group) -> (keep, reason)
+    # import path: fn(pool, count) -> the groups the trainer takes (collector:fifo or :freshest_first)
+    selector: str = "milestream.consumers.collector:fifo"
     metrics_interval_s: float = 2.0
+    # a group still missing records this long after its first one is dropped (reason "incomplete")
+    incomplete_after_s: float = 600.0
+    # a source value larger than this is dead-lettered before it is decoded
+    max_record_bytes: int = 16 * 1024 * 1024
+    # how often the processor commits source offsets (always below its oldest incomplete group);
+    # a restart re-reads at most about this much finished work
+    commit_interval_s: float = 1.0
 
 
 class TrainerConfig(Section):
