@@ -70,6 +70,10 @@ class BufferConfig(Section):
     filter: str | None = None  # import path: fn(group) -> (keep, reason)
     # import path: fn(pool, count) -> the groups the trainer takes (collector:fifo or :freshest_first)
     selector: str = "milestream.consumers.collector:fifo"
+    # what happens to the prompt of a group that went unused: drop it, or retry (back on prompts)
+    unused: Literal["drop", "retry"] = "drop"
+    retry_reasons: tuple[str, ...] = ("stale", "aborted", "incomplete")
+    max_retries: int = 1
     metrics_interval_s: float = 2.0
     # a group still missing records this long after its first one is dropped (reason "incomplete")
     incomplete_after_s: float = 600.0

@@ -40,7 +40,7 @@ class Group:
 
     @property
     def group_id(self) -> str:
-        return f"{self.prompt.prompt_id}#0"  # attempt 0; a retried prompt gets a new attempt number
+        return self.prompt.group_id
 
 
 class RolloutWorker:

@@ -50,10 +50,15 @@ class Prompt(Record):
     question: str
     answer: str
     entry_json: str  # the task entry its verifier needs
+    attempt: int = 0  # 0, or n for the n-th retry of a prompt whose group went unused
     SCHEMA: ClassVar = pa.schema([
         ("prompt_id", pa.string()), ("dataset", pa.string()), ("index", pa.int64()),
-        ("question", pa.string()), ("answer", pa.string()), ("entry_json", pa.string()),
+        ("question", pa.string()), ("answer", pa.string()), ("entry_json", pa.string()), ("attempt", pa.int32()),
     ])
+
+    @property
+    def group_id(self) -> str:
+        return f"{self.prompt_id}#{self.attempt}"
 
 
 TRAJECTORY_FIELDS = [
