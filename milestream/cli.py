@@ -1,4 +1,4 @@
-"""``milestream run | rollout | process | train | load-prompts | topics`` over the one typed Config."""
+"""``milestream run | rollout | process | train | load-prompts | topics | archive | replay`` over the one typed Config."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +73,18 @@ def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.consumers.metrics_exporter import PrometheusExporter
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    exporter = PrometheusExporter(cfg, args.prometheus_port)
+    print(f"serving http://127.0.0.1:{exporter.port}/metrics", flush=True)
+    exporter.run(stop)
+    return 0
+
+
 def _topics(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.infra.kafka import Admin
     from milestream.infra.services import services
@@ -87,13 +99,46 @@ def _topics(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _archive(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.consumers.archive import run_archiver
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    rows = run_archiver(cfg, stop, flush_s=args.flush_s, segment_records=args.segment_records)
+    print(f"archived {rows} records into {cfg.run_path / 'archive'}")
+    return 0
+
+
+def _replay(cfg: Config, args: argparse.Namespace) -> int:
+    import json
+
+    from milestream.consumers import replay
+
+    run_dir = cfg.run.run_dir
+    if args.resume:
+        report, accounting = replay.resume(cfg, run_dir, prefix=args.topic_prefix)
+        print(f"reconciled the buffer: {accounting}")
+    elif args.republish:
+        report = replay.republish(cfg, run_dir, prefix=args.topic_prefix, restore_groups=not args.no_groups)
+    else:  # no broker needed: say what the archive holds
+        print(json.dumps(replay.describe(run_dir), indent=1))
+        return 0
+    print(f"republished {sum(report.records.values())} records ({json.dumps(report.records)}); "
+          f"restored the offsets of {len(report.groups)} consumer groups: {', '.join(report.groups) or '-'}")
+    return 0
+
+
 COMMANDS = {
     "run": (_run, "start broker, Redis, processor, rollout and trainer; train; write summary.json"),
     "rollout": (_rollout, "run a rollout worker (engine + async sampling)"),
     "process": (_process, "run the stream processor (faust worker)"),
     "train": (_train, "run the trainer"),
     "load-prompts": (_load_prompts, "publish task prompts on the prompts topic (--follow: keep feeding)"),
+    "metrics": (_metrics, "serve every figure on buffer.metrics as a Prometheus endpoint"),
     "topics": (_topics, "create or list the topics"),
+    "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),
+    "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker"),
 }
 
 
@@ -111,8 +156,21 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--follow", action="store_true",
                                  help="keep --lookahead prompts ahead of rollout admissions until stopped")
             command.add_argument("--lookahead", type=int, help="default: twice the buffer capacity")
+        if name == "metrics":
+            command.add_argument("--prometheus-port", type=int, default=9464)
         if name == "topics":
             command.add_argument("action", choices=["create", "list"])
+        if name == "archive":
+            command.add_argument("--flush-s", type=float, default=1.0,
+                                 help="the oldest unflushed record is at most this old (the loss bound)")
+            command.add_argument("--segment-records", type=int, default=10_000)
+        if name == "replay":
+            command.add_argument("--republish", action="store_true",
+                                 help="produce the archive into the broker at the same offsets, restore group offsets")
+            command.add_argument("--resume", action="store_true",
+                                 help="--republish, then reconcile the buffer's credit in Redis so the run can go on")
+            command.add_argument("--topic-prefix", help="republish under this prefix (default: the archived one)")
+            command.add_argument("--no-groups", action="store_true", help="do not restore consumer-group offsets")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     for noisy in ("aiokafka", "faust", "mode", "httpx", "urllib3"):

@@ -16,7 +16,7 @@ from pathlib import Path
 from milestream.config import Config
 from milestream.consumers.report import write_report
 from milestream.infra.kafka import Admin, RecordConsumer
-from milestream.infra.services import die_with_parent, services, terminate
+from milestream.infra.services import die_with_parent, free_port, services, terminate
 from milestream.schemas import topics
 from milestream.schemas.records import Dropped, Metrics
 from milestream.streams.credit import Credit
@@ -59,6 +59,10 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
                 Child("processor", ["process"], config_path, log_dir)]
     children += [Child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"], config_path, log_dir)
                  for i in range(cfg.rollout.num_workers)]
+    if cfg.run.prometheus_port is not None:
+        port = cfg.run.prometheus_port or free_port()
+        children.append(Child("metrics", ["metrics", "--prometheus-port", str(port)], config_path, log_dir))
+        print(f"Prometheus metrics: http://127.0.0.1:{port}/metrics", flush=True)
     trainer = Child("trainer", ["train"], config_path, log_dir)
     return children + [trainer], trainer
 

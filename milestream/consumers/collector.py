@@ -67,6 +67,7 @@ class GroupCollector:
         self.credit = Credit(cfg)
         self.pool: dict[str, PooledGroup] = {}
         self.arrivals = 0
+        self.dropped_stale = 0
 
     def take(self, count: int, version: int, stopping: Callable[[], bool]) -> list[tuple[PooledGroup, int]] | None:
         """``count`` fresh groups chosen by the selector, each with its staleness; None once stopping."""
@@ -79,6 +80,12 @@ class GroupCollector:
                     self._leave(group)
                 return [(g, staleness(g.samples, version)) for g in chosen]
         return None
+
+    def pool_figures(self, version: int) -> dict[str, float]:
+        """Groups read but not yet taken, their staleness at ``version``, and the stale drops so far."""
+        lags = [staleness(g.samples, version) for g in self.pool.values()]
+        return {"pool_groups": float(len(lags)), "pool_staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+                "pool_staleness_max": float(max(lags, default=0)), "dropped_stale_total": float(self.dropped_stale)}
 
     def offsets(self) -> dict[int, int]:
         """Next offsets to read on resume: below the oldest group still pooled."""
@@ -103,6 +110,7 @@ class GroupCollector:
                 detail = f"staleness {lag} > {self.cfg.buffer.max_staleness}"
                 record = drop_record(group.group_id, group.samples, "stale", detail, "trainer", version)
                 self.producer.send(topics.DROPPED, [record], key=group.group_id)
+                self.dropped_stale += 1
                 self._leave(group)
 
     def _leave(self, group: PooledGroup) -> None:

@@ -136,7 +136,9 @@ class Trainer:
     def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
         lags = [g.staleness for g in batch]
         values = {**figures, "version": float(self.state.version), "queue_size": float(self.credit.queued()),
-                  "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+                  "credit_available": float(self.credit.available()),
+                  "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
+                  **self.collector.pool_figures(self.state.version)}
         record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)
         self.producer.send(topics.METRICS, [record], key="trainer")
         self.producer.flush()

@@ -1,0 +1,257 @@
+"""Replay an archived run: put its records back into a (fresh) broker, and resume the run from them.
+
+``republish``  every archived topic-partition, in offset order, into the same partition of the same
+               topic, with the same key, headers, timestamp and value bytes. A fresh broker assigns
+               offsets densely from 0 (checked on tansu), so every record lands at its archived
+               offset; each delivery is checked and a mismatch is an error (the broker was not empty,
+               or the archive has a gap). Then the consumer groups' committed offsets, which lived in
+               the lost broker, are committed again from the archive's snapshot.
+``reconcile``  the buffer's credit and queue counters in Redis, re-derived from the archive, the
+               trainer's checkpoint and the restored offsets, so that the restarted stages neither
+               leak credit (prompts that rollout re-admits) nor hand it out twice (groups the trainer
+               collects again after its checkpoint). See ``derive_accounting``.
+``resume``     both: what a run does after its broker restarted, before its stages start again.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from milestream.config import Config
+from milestream.consumers.archive import ROW_SCHEMA, ArchiveState, load_manifest, read_topic, segment_paths
+from milestream.infra.kafka import client_config
+from milestream.schemas import topics
+from milestream.schemas.codec import Position, decode_table
+from milestream.streams.credit import Credit
+
+log = logging.getLogger(__name__)
+
+
+class ReplayError(RuntimeError):
+    pass
+
+
+@dataclass
+class Republished:
+    records: dict[str, int] = field(default_factory=dict)  # per topic
+    ends: dict[str, dict[int, int]] = field(default_factory=dict)  # per topic-partition: next offset
+    groups: dict[str, dict[str, dict[int, int]]] = field(default_factory=dict)  # committed again
+    mismatches: list[str] = field(default_factory=list)
+
+
+def target_config(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> Config:
+    """``cfg`` pointing at the archived run's topics (its own prefix unless ``prefix`` is given)."""
+    chosen = load_manifest(run_dir)["topic_prefix"] if prefix is None else prefix
+    return cfg.with_overrides(broker={"topic_prefix": chosen})
+
+
+def create_topics(cfg: Config, manifest: dict[str, Any]) -> None:
+    """The archived topics with their archived partition counts (an existing one must match)."""
+    admin = AdminClient(client_config(cfg.broker))
+    existing = {n: len(t.partitions) for n, t in admin.list_topics(timeout=10).topics.items()}
+    new = []
+    for name, shape in manifest["topics"].items():
+        full = cfg.broker.topic_prefix + name
+        if full in existing and existing[full] != shape["partitions"]:
+            raise ReplayError(f"topic {full} has {existing[full]} partitions, the archive {shape['partitions']}")
+        if full not in existing:
+            new.append(NewTopic(full, num_partitions=shape["partitions"], replication_factor=-1,
+                                config={"max.message.bytes": str(shape["max_message_bytes"])}))
+    for future in (admin.create_topics(new, operation_timeout=30).values() if new else ()):
+        try:
+            future.result()
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+
+
+def _check_delivery(report: Republished, topic: str, expected: int, err, msg) -> None:
+    if err is not None:
+        report.mismatches.append(f"{topic}[{msg.partition()}]@{expected}: not delivered: {err}")
+    elif msg.offset() != expected:
+        report.mismatches.append(f"{topic}[{msg.partition()}]: archived offset {expected} landed at {msg.offset()}")
+
+
+def _republish_topic(producer: Producer, cfg: Config, run_dir: Path, name: str, report: Republished) -> None:
+    """One topic, segment by segment (segments are in time order, rows in partition-offset order)."""
+    full = cfg.broker.topic_prefix + name
+    ends = report.ends.setdefault(name, {})
+    for path in segment_paths(run_dir, name):
+        for row in pq.read_table(path, schema=ROW_SCHEMA).to_pylist():
+            partition, offset = row["partition"], row["offset"]
+            expected = ends.get(partition, 0)
+            if offset < expected:
+                continue  # archived twice (cannot happen after recover(); harmless to skip)
+            if offset > expected:
+                raise ReplayError(f"archive of {name}[{partition}] has a gap: offset {offset} follows {expected - 1}; "
+                                  "republished offsets could not match the archived ones")
+            headers = None if row["headers"] is None else [(h["key"], h["value"]) for h in row["headers"]]
+            _produce(producer, full, row, headers, functools.partial(_check_delivery, report, name, offset))
+            ends[partition] = offset + 1
+            report.records[name] = report.records.get(name, 0) + 1
+
+
+def _produce(producer: Producer, topic: str, row: dict[str, Any], headers, on_delivery) -> None:
+    extra = {"timestamp": row["timestamp_ms"]} if row["timestamp_ms"] and row["timestamp_ms"] > 0 else {}
+    while True:
+        try:
+            producer.produce(topic, value=row["value"], key=row["key"], partition=row["partition"],
+                             headers=headers, on_delivery=on_delivery, **extra)
+            break
+        except BufferError:  # local queue full: let deliveries drain
+            producer.poll(0.05)
+    producer.poll(0)
+
+
+def republish(cfg: Config, run_dir: str | Path, prefix: str | None = None, restore_groups: bool = True) -> Republished:
+    """Put the archived run back into the broker ``cfg`` names; raises ReplayError unless exact."""
+    run_dir = Path(run_dir)
+    manifest = load_manifest(run_dir)
+    cfg = target_config(cfg, run_dir, prefix)
+    create_topics(cfg, manifest)
+    producer = Producer(client_config(cfg.broker, **{
+        "client.id": "milestream-replay", "enable.idempotence": "true", "linger.ms": "5",
+        "message.max.bytes": str(cfg.broker.max_message_bytes), "compression.type": "none"}))
+    report = Republished()
+    for name in manifest["topics"]:
+        _republish_topic(producer, cfg, run_dir, name, report)
+    if producer.flush(120) > 0:
+        raise ReplayError(f"{len(producer)} records not delivered after 120 s")
+    if report.mismatches:
+        raise ReplayError(f"{len(report.mismatches)} records did not land at their archived offsets (was the "
+                          f"broker fresh?): {report.mismatches[:5]}")
+    if restore_groups:
+        state = ArchiveState.load(run_dir)
+        report.groups = restore_group_offsets(cfg, state, report.ends, manifest["topic_prefix"])
+    log.info("republished %d records of %d topics; restored %d consumer groups",
+             sum(report.records.values()), len(report.records), len(report.groups))
+    return report
+
+
+def restore_group_offsets(cfg: Config, state: ArchiveState, ends: dict[str, dict[int, int]],
+                          archived_prefix: str) -> dict[str, dict[str, dict[int, int]]]:
+    """Commit every snapshotted group's offsets again (before its members start).
+
+    An offset past the republished end (a snapshot newer than the last flushed segment, after a
+    crash) is clamped to the end: the consumer then waits there instead of resetting to the start.
+    """
+    restored: dict[str, dict[str, dict[int, int]]] = {}
+    for group, per_topic in state.groups.items():
+        if archived_prefix and group.startswith(archived_prefix):
+            group = cfg.broker.topic_prefix + group[len(archived_prefix):]
+        offsets = []
+        for name, parts in per_topic.items():
+            for partition, offset in parts.items():
+                end = ends.get(name, {}).get(partition, 0)
+                if offset > end:
+                    log.warning("group %s: %s[%d] committed %d, archive ends at %d; clamped", group, name,
+                                partition, offset, end)
+                offsets.append(TopicPartition(cfg.broker.topic_prefix + name, partition, min(offset, end)))
+                restored.setdefault(group, {}).setdefault(name, {})[partition] = min(offset, end)
+        consumer = Consumer(client_config(cfg.broker, **{"group.id": group, "enable.auto.commit": "false"}))
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+        finally:
+            consumer.close()
+    return restored
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """The buffer's Redis counters as the restarted run must see them (see ``derive_accounting``)."""
+
+    credit: int
+    queued: int
+    prompts_admitted: int
+    held: int  # groups that will give a credit back without taking one
+    readmitted_settled: int  # prompts rollout will admit again although their group already left
+
+
+def _rows(run_dir: Path, spec: topics.TopicSpec, columns: list[str]) -> list[tuple[int, int, dict[str, Any]]]:
+    """(partition, offset, first record's ``columns``) of every archived record of ``spec``."""
+    out = []
+    for row in read_topic(run_dir, spec.name).to_pylist():
+        position = Position(spec.name, row["partition"], row["offset"])
+        table = decode_table(row["value"], spec.record, position)
+        out.append((row["partition"], row["offset"], {c: table.column(c)[0].as_py() for c in columns}))
+    return out
+
+
+def derive_accounting(cfg: Config, run_dir: str | Path, rollout_offsets: dict[int, int],
+                      trainer_offsets: dict[int, int], trainer_seen: set[str]) -> Accounting:
+    """Credit = capacity - groups that still hold one, from the log alone (every stage stopped).
+
+    A group holds a credit from its admission until it leaves (dropped by the processor, or collected
+    by the trainer). After a restart from the archive:
+      (a) a group on buffer.groups at or past the trainer's checkpointed offset, not in its seen set,
+          will be collected (again): it holds one;
+      (b) a group whose prompt lies below rollout's committed offset (it will not be admitted again)
+          and that has not left yet (no buffer.groups / buffer.dropped record) will be settled by the
+          processor: it holds one;
+      (c) a group whose prompt lies at or past that offset is admitted again and takes a new credit;
+          if it had already left, the processor treats its records as duplicates and never returns
+          that credit, so one is added back in advance.
+    """
+    run_dir = Path(run_dir)
+    prompt_at = {r["prompt_id"]: (p, o) for p, o, r in _rows(run_dir, topics.PROMPTS, ["prompt_id"])}
+    group_prompt = {r["group_id"]: r["prompt_id"] for _, _, r in _rows(run_dir, topics.TRAJECTORIES, ["group_id", "prompt_id"])}
+    emitted = _rows(run_dir, topics.GROUPS, ["group_id"])
+    left = {r["group_id"] for *_, r in emitted} | {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
+    to_collect = {r["group_id"] for p, o, r in emitted if o >= trainer_offsets.get(p, 0)} - trainer_seen
+
+    def readmitted(group_id: str) -> bool:
+        where = prompt_at.get(group_prompt[group_id])
+        return where is not None and where[1] >= rollout_offsets.get(where[0], 0)
+
+    pending = {g for g in group_prompt if not readmitted(g)} - left
+    settled_again = {g for g in group_prompt if readmitted(g)} & left
+    admitted = sum(1 for p, o in prompt_at.values() if o < rollout_offsets.get(p, 0))
+    held = len(to_collect) + len(pending)
+    return Accounting(cfg.buffer_capacity - held + len(settled_again), len(to_collect), admitted, held,
+                      len(settled_again))
+
+
+def reconcile(cfg: Config, run_dir: str | Path, restored: dict[str, dict[str, dict[int, int]]],
+              rollout_group: str | None = None) -> Accounting:
+    """Write the derived counters to Redis; call with every stage stopped, after ``republish``."""
+    from milestream.consumers import checkpoint  # torch: only a resume needs it
+
+    payload = checkpoint.load_latest(run_dir)
+    state = checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState()
+    # the rollout workers' consumer group (milestream.producers.worker names it so)
+    rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
+    rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
+    accounting = derive_accounting(cfg, run_dir, rollout_offsets, state.offsets, state.seen_groups)
+    credit = Credit(cfg)
+    with credit.client.pipeline(transaction=True) as tx:
+        tx.set(credit.key, accounting.credit)
+        tx.set(credit.queued_key, accounting.queued)
+        tx.set(credit.admitted_key, accounting.prompts_admitted)
+        tx.execute()
+    log.info("reconciled the buffer: %s", accounting)
+    return accounting
+
+
+def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple[Republished, Accounting]:
+    """After a broker restart, before the stages start again: republish, restore groups, reconcile."""
+    live = target_config(cfg, run_dir, prefix)
+    report = republish(live, run_dir, prefix=live.broker.topic_prefix)
+    return report, reconcile(live, run_dir, report.groups)
+
+
+def describe(run_dir: str | Path) -> dict[str, Any]:
+    """What the archive holds: per topic, records and next offset per partition; the groups."""
+    state = ArchiveState.load(run_dir)
+    manifest = load_manifest(run_dir)
+    return {"topic_prefix": manifest["topic_prefix"],
+            "topics": {name: {"partitions": shape["partitions"], "segments": len(segment_paths(run_dir, name)),
+                              "next_offsets": state.offsets.get(name, {})}
+                       for name, shape in manifest["topics"].items()},
+            "groups": state.groups}
