@@ -26,7 +26,7 @@ def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: floa
         "reward_first_quarter": _quarter_mean(rewards, last=False),
         "reward_last_quarter": _quarter_mean(rewards, last=True),
         "groups_trained": sum(len(m.group_ids) for m in steps),
-        "groups_dropped": dict(collections.Counter(d.reason for d in dropped)),
+        "groups_dropped": dict(collections.Counter(d.reason for d in {d.group_id: d for d in dropped}.values())),
         "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
         "staleness_max": max(lags) if lags else 0,
         "final_version": int(steps[-1].values["version"]) if steps else 0,

@@ -15,7 +15,9 @@ from milestream.schemas.records import Record
 
 SCHEMA_HEADER = "ms-schema"
 _METADATA_KEY = b"milestream.schema"
-_WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+# Values are small (one record batch); Arrow's thread pool costs more than it saves on them.
+_WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd", use_threads=False)
+_READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)
 
 R = TypeVar("R", bound=Record)
 
@@ -59,7 +61,7 @@ def decode_table(value: bytes | None, cls: type[Record], position: Position = Po
     if value is None:
         raise RecordError(position, "<value>", "empty value (tombstone)")
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(value)).read_all()
+        table = pa.ipc.open_stream(pa.py_buffer(value), options=_READ_OPTIONS).read_all()
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise RecordError(position, "<value>", f"not an Arrow IPC stream: {exc}") from None
     found = (table.schema.metadata or {}).get(_METADATA_KEY, b"<none>").decode(errors="replace")

@@ -75,6 +75,16 @@ class GroupAssembler:
         self.partial: dict[str, PartialGroup] = {}
         self.finished: set[str] = set()  # group ids already emitted or dropped
 
+    def knows(self, group_id: str) -> bool:
+        """Whether the group is partial here or has already left this assembler."""
+        return group_id in self.partial or group_id in self.finished
+
+    def mark_finished(self, group_id: str) -> None:
+        """Record a group that left before (e.g. before a restart): its records are duplicates now."""
+        if group_id in self.partial:
+            raise ValueError(f"group {group_id} is partial here; it cannot have left")
+        self.finished.add(group_id)
+
     def add(self, record: Trajectory | LogProbs, handle: Any = None) -> tuple[Outcome | None, bool]:
         """Add one record; returns (the group's outcome if it just completed, whether the record was new)."""
         if record.group_id in self.finished:

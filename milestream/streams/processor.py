@@ -2,19 +2,31 @@
 
 rollout.trajectories + rollout.logprobs (keyed by group id, so one partition holds a whole group)
   -> buffer.groups   a complete group that passed the arrival rules
-  -> buffer.dropped  a group dropped on arrival, with its reason
-  -> deadletter      a record that does not decode
+  -> buffer.dropped  a group dropped on arrival (or still incomplete after buffer.incomplete_after_s)
+  -> deadletter      a record that is too large (buffer.max_record_bytes), does not decode, or has an
+                     unknown schema version, with its topic, partition, offset, error and field
   -> buffer.metrics  queue size, credit, drops, rates, every ``buffer.metrics_interval_s``
 
-Acknowledgement is manual: a source record is acknowledged only when its group has left (emitted or
-dropped), so faust commits a partition's offset only below its oldest incomplete group, and a
-restarted processor rebuilds partial groups by re-reading the log.
+Restart safety without broker transactions (tansu does not honour them):
+
+- A source event is acknowledged only when every group holding one of its records has left, and a
+  group leaves only once its output record is on the broker. The committed offset of a source
+  partition is its oldest unacknowledged event (``SourceOffsets``; faust's own choice can pass an
+  unacknowledged offset, see ``ProcessorApp``), so a restarted processor re-reads every record of
+  every group that had not left, and rebuilds the partial groups from the log.
+- Which groups have left lives in Redis next to the credit (``Settlements``). A group's credit and
+  queue accounting happen once, in the same atomic step that marks it settled; a re-read record of
+  a settled group is a duplicate. A group the killed process had sent but not yet marked is sent
+  again (counted as ``groups_resent``); consumers de-duplicate ``buffer.groups`` by group id.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import functools
 import logging
 import time
+from typing import Any, Iterable
 
 import faust
 
@@ -22,30 +34,206 @@ from milestream.config import Config
 from milestream.infra.kafka import topic_name
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
-from milestream.schemas.records import DeadLetter, Dropped, GroupSample, Metrics
+from milestream.schemas.records import DeadLetter, Dropped, GroupSample, LogProbs, Metrics, Trajectory
 from milestream.streams.credit import Credit
 from milestream.streams.groups import GroupAssembler, Outcome, load_filter
 
 log = logging.getLogger(__name__)
-INCOMPLETE_AFTER_S = 600.0
+
+SENDING, SETTLED = "sending", "settled"
+
+# KEYS: group states, run totals. ARGV: group id. Returns the state before (nil: first attempt).
+_BEGIN = """
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+if previous == 'settled' then return previous end
+if previous == 'sending' then redis.call('HINCRBY', KEYS[2], 'groups_resent', 1) end
+redis.call('HSET', KEYS[1], ARGV[1], 'sending')
+return previous
+"""
+
+# KEYS: group states, run totals, credit, queued. ARGV: group id, "emitted" or the drop reason.
+# Returns 1 when this call settled the group, 0 when it had been settled before (nothing counted).
+_SETTLE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == 'settled' then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], 'settled')
+if ARGV[2] == 'emitted' then
+  redis.call('INCR', KEYS[4])
+  redis.call('HINCRBY', KEYS[2], 'groups_out', 1)
+else
+  redis.call('INCR', KEYS[3])
+  redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[2], 1)
+end
+return 1
+"""
+
+
+class Settlements:
+    """Which groups have left the processor (durably, in Redis), and the run's totals across restarts.
+
+    Settling a group and its credit accounting (an emitted group is queued; a dropped one gives its
+    credit back) are one atomic step, so a group re-emitted after a restart is never counted twice.
+    """
+
+    def __init__(self, cfg: Config):
+        credit = Credit(cfg)
+        self.client = credit.client
+        namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
+        self.states_key = namespace + "processor-groups"
+        self.totals_key = namespace + "processor-totals"
+        self._credit_keys = [credit.key, credit.queued_key]
+        self._begin = self.client.register_script(_BEGIN)
+        self._settle = self.client.register_script(_SETTLE)
+
+    def state(self, group_id: str) -> str | None:
+        value = self.client.hget(self.states_key, group_id)
+        return value.decode() if value is not None else None
+
+    def begin(self, group_id: str) -> str | None:
+        """Mark the group as being sent; returns its state before (SENDING: an earlier life sent it)."""
+        value = self._begin(keys=[self.states_key, self.totals_key], args=[group_id])
+        return value.decode() if value is not None else None
+
+    def settle(self, group_id: str, outcome: str) -> bool:
+        """``outcome``: "emitted" or the drop reason. False when the group had been settled before."""
+        keys = [self.states_key, self.totals_key, *self._credit_keys]
+        return bool(self._settle(keys=keys, args=[group_id, outcome]))
+
+    def totals(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self.totals_key).items()}
+
+
+class SourceOffsets:
+    """Per source topic-partition, the offsets read by the join agent and not yet acknowledged.
+
+    A partition's commit point is its oldest such offset (one past the newest read when none is
+    held). Offsets are reference-counted because a rebalance can deliver the same offset twice.
+    """
+
+    def __init__(self, source_topics: Iterable[str]):
+        self.topics = frozenset(source_topics)
+        self._held: dict[Any, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+        self._next: dict[Any, int] = {}
+
+    def read(self, tp, offset: int) -> None:
+        self._held[tp][offset] += 1
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+
+    def released(self, tp, offset: int) -> None:
+        held = self._held[tp]
+        held[offset] -= 1
+        if held[offset] <= 0:
+            del held[offset]
+
+    def commit_point(self, tp) -> int | None:
+        if tp not in self._next:
+            return None
+        held = self._held[tp]
+        return min(held) if held else self._next[tp]
+
+    def held(self) -> int:
+        return sum(sum(counts.values()) for counts in self._held.values())
+
+
+class HeldEvent:
+    """A source event and who still needs it: the join agent while it reads the event, and every group
+    holding one of its records. It is acknowledged, and its offset released, when the last lets go."""
+
+    __slots__ = ("event", "offsets", "holders")
+
+    def __init__(self, event, offsets: SourceOffsets):
+        self.event, self.offsets, self.holders = event, offsets, 1
+        offsets.read(event.message.tp, event.message.offset)
+
+    def hold(self) -> None:
+        self.holders += 1
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.event.ack()
+            self.offsets.released(self.event.message.tp, self.event.message.offset)
+
+
+class ProcessorApp(faust.App):
+    """faust.App whose consumer commits a source partition only up to its oldest unacknowledged event.
+
+    faust (0.15.3) commits the first run of consecutive acknowledged offsets, and checks for an older
+    unacknowledged offset neither before a partition's first commit nor, after it, for the offset
+    right at the committed position. Groups acknowledge out of order, so that would commit past a
+    partial group's early records and lose the group on restart (tests/streams/test_processor_restart).
+    """
+
+    source_offsets: SourceOffsets | None = None
+    fetch_wait_ms: int = 50
+
+    def _new_consumer(self):
+        consumer = super()._new_consumer()
+        faust_choice = consumer._new_offset  # kept for the topics the join agent does not read
+
+        def commit_point(tp):
+            if self.source_offsets is None or tp.topic not in self.source_offsets.topics:
+                return faust_choice(tp)
+            point = self.source_offsets.commit_point(tp)
+            _forget_acked_below(consumer, tp, point)
+            return point
+
+        consumer._new_offset = commit_point
+        self._shorten_fetch_wait(consumer._thread)
+        return consumer
+
+    def _shorten_fetch_wait(self, thread) -> None:
+        """faust fixes aiokafka's fetch wait at 1500 ms; tansu holds an empty fetch for a share of it even
+        when data arrives, which would add ~0.7 s to every hand-off (real Kafka answers at once)."""
+        create = thread._create_worker_consumer
+
+        def create_with_short_wait(transport):
+            client = create(transport)
+            client._fetch_max_wait_ms = self.fetch_wait_ms
+            return client
+
+        thread._create_worker_consumer = create_with_short_wait
+
+
+def _forget_acked_below(consumer, tp, point: int | None) -> None:
+    """faust keeps every acknowledged offset until its own commit logic removes it; do that here."""
+    acked = consumer._acked[tp]
+    if point is None or not acked:
+        return
+    consumer._acked_index[tp].difference_update(o for o in acked if o < point)
+    acked[:] = [o for o in acked if o >= point]
+
+
+def app_id(cfg: Config) -> str:
+    """The processor's faust app id, which is also its consumer group id."""
+    return f"{cfg.broker.topic_prefix}milestream-processor"
+
+
+def faust_settings(cfg: Config) -> dict[str, Any]:
+    """The processor's faust settings (benchmarks/processor.py runs its plain forward on the same)."""
+    return dict(
+        broker=f"kafka://{cfg.broker.bootstrap_servers}",
+        value_serializer="raw", key_serializer="raw",
+        web_enabled=False, topic_allow_declare=False, topic_disable_leader=True,
+        broker_session_timeout=6, broker_heartbeat_interval=1,
+        broker_commit_interval=cfg.buffer.commit_interval_s,
+        consumer_auto_offset_reset="earliest",
+        stream_wait_empty=False,  # partial groups are rebuilt from the log on restart
+        producer_max_request_size=cfg.broker.max_message_bytes,
+        consumer_max_fetch_size=cfg.broker.max_message_bytes,
+    )
 
 
 class Processor:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.app = faust.App(
-            f"{cfg.broker.topic_prefix}milestream-processor",
-            broker=f"kafka://{cfg.broker.bootstrap_servers}",
-            value_serializer="raw", key_serializer="raw",
-            web_enabled=False, topic_allow_declare=False, topic_disable_leader=True,
-            broker_session_timeout=6, broker_heartbeat_interval=1,
-            consumer_auto_offset_reset="earliest",
-            stream_wait_empty=False,  # partial groups are rebuilt from the log on restart
-            producer_max_request_size=cfg.broker.max_message_bytes,
-            consumer_max_fetch_size=cfg.broker.max_message_bytes,
-        )
+        self.sources = {topic_name(cfg.broker, spec): spec for spec in (topics.TRAJECTORIES, topics.LOGPROBS)}
+        self.offsets = SourceOffsets(self.sources)
+        self.app = ProcessorApp(app_id(cfg), **faust_settings(cfg))
+        self.app.fetch_wait_ms = cfg.broker.fetch_wait_ms
+        self.app.source_offsets = self.offsets
         self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.buffer.max_staleness)
         self.credit = Credit(cfg)
+        self.settlements = Settlements(cfg)
         self.counts: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()
         self._topic = {spec.name: self.app.topic(topic_name(cfg.broker, spec))
@@ -53,34 +241,51 @@ class Processor:
         self._wire()
 
     def _wire(self) -> None:
-        sources = [topic_name(self.cfg.broker, spec) for spec in (topics.TRAJECTORIES, topics.LOGPROBS)]
-        spec_of = {topic_name(self.cfg.broker, s): s for s in (topics.TRAJECTORIES, topics.LOGPROBS)}
-        self.app.agent(self.app.topic(*sources), name="join")(self._join_agent(spec_of))
+        self.app.agent(self.app.topic(*self.sources), name="join")(self._join_agent)
         versions = self.app.topic(topic_name(self.cfg.broker, topics.WEIGHT_VERSIONS))
         self.app.agent(versions, name="versions")(self._versions_agent)
         self.app.timer(self.cfg.buffer.metrics_interval_s)(self.publish_metrics)
-        self.app.timer(10.0)(self.expire_incomplete)
+        # look a few times per window, so a group leaves within about 1.25 windows of its first record
+        self.app.timer(min(10.0, max(0.05, self.cfg.buffer.incomplete_after_s / 4)))(self.expire_incomplete)
 
-    def _join_agent(self, spec_of):
-        async def join(stream) -> None:
-            async for event in stream.noack().events():
-                message = event.message
-                position = Position(message.topic, message.partition, message.offset)
-                spec = spec_of[message.topic]
-                try:
-                    held = False  # whether a still-incomplete group holds this event
-                    for record in decode(event.value, spec.record, position):
-                        outcome, fresh = self.assembler.add(record, event)
-                        self.counts["records_in" if fresh else "duplicates"] += 1
-                        held |= fresh and outcome is None
-                        if outcome is not None:
-                            await self._settle(outcome)
-                    if not held:
-                        event.ack()
-                except (RecordError, ValueError) as exc:
-                    error = exc if isinstance(exc, RecordError) else RecordError(position, "group_size", str(exc))
-                    await self._dead_letter(position, error, event)
-        return join
+    async def _join_agent(self, stream) -> None:
+        async for event in stream.noack().events():
+            await self._take(event)
+
+    async def _take(self, event) -> None:
+        """Admit every record of one source event; a bad event goes to the dead-letter topic."""
+        message = event.message
+        position = Position(message.topic, message.partition, message.offset)
+        held = HeldEvent(event, self.offsets)
+        try:
+            size, limit = len(event.value or b""), self.cfg.buffer.max_record_bytes
+            if size > limit:  # before decoding: a huge value must not cost the memory to decode it
+                raise RecordError(position, "<value>", f"{size} bytes, over buffer.max_record_bytes ({limit})")
+            for record in decode(event.value, self.sources[message.topic].record, position):
+                await self._admit(record, held, position)
+        except RecordError as exc:
+            await self._dead_letter(position, exc, event)
+        # not in a finally: an unexpected error leaves the event unacknowledged, to be re-read
+        held.release()
+
+    async def _admit(self, record: Trajectory | LogProbs, held: HeldEvent, position: Position) -> None:
+        if not self.assembler.knows(record.group_id):
+            self._recall(record.group_id)
+        try:
+            outcome, fresh = self.assembler.add(record, held)
+        except ValueError as exc:
+            raise RecordError(position, "group_size", str(exc)) from None
+        self.counts["records_in" if fresh else "duplicates"] += 1
+        if fresh:
+            held.hold()  # the group holds the event until the group leaves
+        if outcome is not None:
+            await self._settle(outcome)
+
+    def _recall(self, group_id: str) -> None:
+        """A group first seen in this life may have left in an earlier one: its records are re-reads."""
+        if self.settlements.state(group_id) == SETTLED:
+            self.assembler.mark_finished(group_id)
+            self.counts["groups_settled_before_restart"] += 1
 
     async def _versions_agent(self, stream) -> None:
         spec = topics.WEIGHT_VERSIONS
@@ -94,32 +299,46 @@ class Processor:
                 await self._dead_letter(position, exc, event)
 
     async def _settle(self, outcome: Outcome) -> None:
+        """Send the group (or its drop record); it is settled and its sources let go once delivered."""
+        if self.settlements.begin(outcome.group_id) == SENDING:
+            self.counts["groups_resent"] += 1  # an earlier life may have sent it: a possible duplicate
         key = outcome.group_id.encode()
         if outcome.dropped is None:
-            await self._topic[topics.GROUPS.name].send(
+            delivery = await self._topic[topics.GROUPS.name].send(
                 key=key, value=encode(outcome.samples), headers=headers_for(GroupSample))
-            self.credit.enqueued()
-            self.counts["groups_out"] += 1
         else:
-            await self._topic[topics.DROPPED.name].send(
+            delivery = await self._topic[topics.DROPPED.name].send(
                 key=key, value=encode([outcome.dropped]), headers=headers_for(Dropped))
-            self.credit.give_back()
-            self.counts[f"dropped_{outcome.dropped.reason}"] += 1
             log.info("dropped group %s: %s (%s)", outcome.group_id, outcome.dropped.reason, outcome.dropped.detail)
+        delivery.add_done_callback(functools.partial(self._delivered, outcome))
+
+    def _delivered(self, outcome: Outcome, delivery: asyncio.Future) -> None:
+        if delivery.cancelled() or delivery.exception() is not None:
+            # the sources stay unacknowledged, so they stay uncommitted and a restart redoes the group
+            self.counts["send_errors"] += 1
+            log.error("group %s was not delivered: %s", outcome.group_id,
+                      "cancelled" if delivery.cancelled() else delivery.exception())
+            return
+        reason = "emitted" if outcome.dropped is None else outcome.dropped.reason
+        if self.settlements.settle(outcome.group_id, reason):
+            self.counts["groups_out" if outcome.dropped is None else f"dropped_{reason}"] += 1
+        else:
+            self.counts["groups_settled_twice"] += 1
         for handle in outcome.handles:
-            handle.ack()
+            handle.release()
 
     async def _dead_letter(self, position: Position, error: RecordError, event) -> None:
         record = DeadLetter(position.topic, position.partition, position.offset, str(error), error.field,
                             event.key, event.value, time.time())
+        # no need to wait for delivery before the source is acknowledged: faust flushes its producer
+        # before it commits
         await self._topic[topics.DEADLETTER.name].send(
             key=position.topic.encode(), value=encode([record]), headers=headers_for(DeadLetter))
         self.counts["deadletter"] += 1
         log.error("dead-lettered %s", error)
-        event.ack()
 
     async def expire_incomplete(self) -> None:
-        for outcome in self.assembler.expire(INCOMPLETE_AFTER_S):
+        for outcome in self.assembler.expire(self.cfg.buffer.incomplete_after_s):
             await self._settle(outcome)
 
     async def publish_metrics(self) -> None:
@@ -128,10 +347,13 @@ class Processor:
             "queue_size": float(self.credit.queued()),
             "credit_available": float(self.credit.available()),
             "partial_groups": float(len(self.assembler.partial)),
+            "held_source_records": float(self.offsets.held()),
             "latest_version": float(self.assembler.latest_version),
             "in_records_per_s": self.counts["records_in"] / elapsed,
             "out_groups_per_s": self.counts["groups_out"] / elapsed,
             **{name: float(count) for name, count in self.counts.items()},
+            # the same counts over the whole run, across processor restarts
+            **{f"run_{name}": float(count) for name, count in self.settlements.totals().items()},
         }
         record = Metrics("processor", int(elapsed), time.time(), values)
         await self._topic[topics.METRICS.name].send(key=b"processor", value=encode([record]),

@@ -1,0 +1,182 @@
+"""Stream-processor throughput and latency, against a plain faust forward of the same records.
+
+Prints one JSON line:
+  processor_groups_s   groups/s through the processor: a burst of groups published onto
+                       rollout.trajectories + rollout.logprobs, from the first publish to the last
+                       group's emission on buffer.groups
+  forward_groups_s     the same records, the same burst, through a minimal faust app with the
+                       processor's own settings that forwards the raw values of both source topics to
+                       one topic: groups/s to the forwarding of the last record
+  ratio                processor_groups_s / forward_groups_s
+  p50_ms / p99_ms      the last record of a group published -> its group emitted on buffer.groups, at
+                       a paced rate (no backlog queueing); forward_p50_ms / forward_p99_ms: the same
+                       to the forwarding of the group's last record
+
+"Emitted" is the CreateTime the app's producer stamps on its output record (1 ms resolution), so
+the figures do not depend on how fast this script reads the output back. The two apps run one after
+the other as separate processes on one broker (topic prefixes bench-processor. and bench-forward.).
+
+    python benchmarks/processor.py [--groups 300] [--group-size 8] [--response-tokens 512]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts
+import data_plane  # noqa: E402
+
+from milestream.config import Config, load_config  # noqa: E402
+from milestream.infra.kafka import Admin, RecordProducer, client_config, topic_name  # noqa: E402
+from milestream.infra.services import die_with_parent, services  # noqa: E402
+from milestream.schemas import topics  # noqa: E402
+from milestream.schemas.records import Trajectory  # noqa: E402
+from milestream.streams.credit import Credit  # noqa: E402
+
+FORWARDED = topics.TopicSpec("bench.forwarded", Trajectory, "group id")
+SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS)
+
+
+def serve_forward(cfg: Config) -> None:
+    """The baseline app: every source value forwarded as it is, on the processor's faust app and settings."""
+    import faust
+
+    from milestream.streams.processor import ProcessorApp, faust_settings
+
+    app = ProcessorApp(f"{cfg.broker.topic_prefix}bench-forward", **faust_settings(cfg))
+    app.fetch_wait_ms = cfg.broker.fetch_wait_ms
+    out = app.topic(topic_name(cfg.broker, FORWARDED))
+
+    @app.agent(app.topic(*(topic_name(cfg.broker, spec) for spec in SOURCES)), name="forward")
+    async def forward(stream) -> None:
+        async for event in stream.events():
+            await out.send(key=event.key, value=event.value, headers=event.message.headers)
+
+    faust.Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
+
+
+def start_forward(cfg: Config, workdir: Path) -> subprocess.Popen:
+    config_path = workdir / "forward.yaml"
+    config_path.write_text(cfg.to_yaml())
+    return subprocess.Popen([sys.executable, __file__, "--serve-forward", str(config_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+
+class OutputReader:
+    """Reads an output topic's raw messages from the beginning; no decoding, so reading costs little."""
+
+    def __init__(self, cfg: Config, spec: topics.TopicSpec):
+        settings = {"group.id": f"bench-reader-{time.time()}", "enable.auto.commit": "false",
+                    "fetch.message.max.bytes": str(cfg.broker.max_message_bytes)}
+        self.consumer = Consumer(client_config(cfg.broker, **settings))
+        name = topic_name(cfg.broker, spec)
+        self.consumer.assign([TopicPartition(name, p, OFFSET_BEGINNING) for p in range(cfg.broker.partitions)])
+
+    def emitted(self, messages_per_group: dict[str, int], timeout_s: float = 300.0) -> dict[str, float]:
+        """When each group was emitted: the latest CreateTime (s) of its expected output messages."""
+        remaining, emitted = dict(messages_per_group), {}
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(remaining)} groups never came out, e.g. {sorted(remaining)[:3]}")
+            message = self.consumer.poll(0.5)
+            if message is None or message.error():
+                continue
+            gid = message.key().decode()
+            if gid in remaining:
+                emitted[gid] = max(emitted.get(gid, 0.0), message.timestamp()[1] / 1000.0)
+                remaining[gid] -= 1
+                if remaining[gid] == 0:
+                    del remaining[gid]
+        return emitted
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def measure(cfg: Config, start_app: Callable[[], subprocess.Popen], output: topics.TopicSpec,
+            messages_per_group: int, warmup, burst, paced, rate_per_s: float) -> tuple[float, list[float]]:
+    """(groups/s over the burst, paced latencies in ms) of one app, started here and stopped after."""
+    producer = RecordProducer(cfg.broker, client_id="bench")
+    reader = OutputReader(cfg, output)
+    app = start_app()
+    try:
+        data_plane.publish(producer, *warmup)
+        producer.flush()
+        reader.emitted({warmup[0]: messages_per_group})  # the app has joined its group and is reading
+        started = time.time()
+        for gid, records in burst:
+            data_plane.publish(producer, gid, records)
+        producer.flush()
+        emitted = reader.emitted({gid: messages_per_group for gid, _ in burst})
+        groups_s = len(burst) / (max(emitted.values()) - started)
+        latencies = []
+        for gid, records in paced:
+            began = time.monotonic()
+            data_plane.publish(producer, gid, records[:-1])
+            last_published = time.time()  # just before the group's last record is produced
+            data_plane.publish(producer, gid, records[-1:])
+            producer.flush()
+            latencies.append((reader.emitted({gid: messages_per_group})[gid] - last_published) * 1000)
+            time.sleep(max(0.0, 1 / rate_per_s - (time.monotonic() - began)))
+        return groups_s, latencies
+    finally:
+        app.terminate()
+        app.wait(30)
+        reader.close()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=300)
+    parser.add_argument("--latency-groups", type=int, default=100)
+    parser.add_argument("--rate", type=float, default=20.0, help="paced groups per second for the latency")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--response-tokens", type=int, default=512)
+    parser.add_argument("--serve-forward", metavar="CONFIG", help=argparse.SUPPRESS)  # the baseline app
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.serve_forward:
+        serve_forward(load_config(args.serve_forward))
+        return
+    rng = random.Random(0)
+    make = lambda i: data_plane.make_group(i, args.group_size, args.prompt_tokens, args.response_tokens, rng)  # noqa: E731
+    warmup, burst = make(-1), [make(i) for i in range(args.groups)]
+    paced = [make(args.groups + i) for i in range(args.latency_groups)]
+    per_group = 2 * args.group_size  # source records of one group: its trajectories and log-probs
+    with services(Config()) as live, tempfile.TemporaryDirectory() as workdir:
+        processor_cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, broker={"topic_prefix": "bench-processor."})
+        forward_cfg = live.with_overrides(broker={"topic_prefix": "bench-forward."})
+        for cfg in (processor_cfg, forward_cfg):
+            Admin(cfg.broker).create_topics([*topics.CATALOGUE, FORWARDED])
+        Credit(processor_cfg).initialise()
+        processor_s, latencies = measure(processor_cfg, lambda: data_plane.start_processor(processor_cfg, Path(workdir)),
+                                         topics.GROUPS, 1, warmup, burst, paced, args.rate)
+        forward_s, forward_latencies = measure(forward_cfg, lambda: start_forward(forward_cfg, Path(workdir)),
+                                               FORWARDED, per_group, warmup, burst, paced, args.rate)
+    pct = lambda values, q: round(data_plane.percentile(values, q), 1)  # noqa: E731
+    print(json.dumps({
+        "groups": args.groups, "group_size": args.group_size, "response_tokens": args.response_tokens,
+        "processor_groups_s": round(processor_s, 1), "forward_groups_s": round(forward_s, 1),
+        "ratio": round(processor_s / forward_s, 4),
+        "p50_ms": pct(latencies, 0.5), "p99_ms": pct(latencies, 0.99),
+        "forward_p50_ms": pct(forward_latencies, 0.5), "forward_p99_ms": pct(forward_latencies, 0.99),
+        "latency_groups": args.latency_groups, "rate_per_s": args.rate,
+    }))
+
+
+if __name__ == "__main__":
+    main()

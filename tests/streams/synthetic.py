@@ -1,0 +1,97 @@
+"""Helpers for the stream-processor tests: synthetic complete groups and the processor as a process.
+
+The processor runs as ``python -m milestream.cli process`` (as in ``milestream run``), so a test can
+SIGKILL it exactly as an operator's crash would, and its log is kept for the failure message.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from milestream.config import Config
+from milestream.infra.kafka import RecordConsumer
+from milestream.infra.services import die_with_parent
+from milestream.schemas import topics
+from milestream.schemas.records import LogProbs, Record, Trajectory
+
+Published = tuple[topics.TopicSpec, Record]
+
+
+def trajectory(group_id: str, index: int, group_size: int, response_tokens: int = 4) -> Trajectory:
+    return Trajectory(f"{group_id}/{index}", group_id, f"prompt-{group_id}", index, group_size, [1, 2, 3],
+                      list(range(10, 10 + response_tokens)), [1] * response_tokens, [0] * response_tokens,
+                      float(index), "completed", "", "synthetic", "synthetic", 0.0, 0.0)
+
+
+def logprobs(group_id: str, index: int, group_size: int, response_tokens: int = 4) -> LogProbs:
+    return LogProbs(f"{group_id}/{index}", group_id, index, group_size, [-0.5] * response_tokens)
+
+
+def group_records(group_id: str, group_size: int) -> list[Published]:
+    """Every record of one complete group: G trajectories and G log-probs."""
+    return [(topics.TRAJECTORIES, trajectory(group_id, i, group_size)) for i in range(group_size)] + \
+           [(topics.LOGPROBS, logprobs(group_id, i, group_size)) for i in range(group_size)]
+
+
+class ProcessorProcess:
+    """The stream processor as its own OS process, restartable; every life appends to one log."""
+
+    def __init__(self, cfg: Config, workdir: Path):
+        self.config_path = workdir / "processor.yaml"
+        self.config_path.write_text(cfg.to_yaml())
+        self.log_path = workdir / "processor.log"
+        self.proc: subprocess.Popen | None = None
+        self.lives = 0
+
+    def start(self) -> None:
+        self.lives += 1
+        with open(self.log_path, "a") as log:
+            log.write(f"==== life {self.lives}\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "milestream.cli", "process", "--config", str(self.config_path),
+                 "--log-level", "WARNING"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hook runs, no final commit, no producer flush."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def assert_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"processor exited with {self.proc.returncode}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def all_partitions(cfg: Config, spec: topics.TopicSpec) -> range:
+    return range(cfg.broker.partitions if spec.keyed_partitions else 1)
+
+
+def topic_reader(cfg: Config, spec: topics.TopicSpec) -> RecordConsumer:
+    """A consumer of every partition of ``spec`` from the beginning (no group membership, no commits)."""
+    return RecordConsumer(cfg.broker, spec, f"reader-{time.time()}").assign(partitions=all_partitions(cfg, spec))
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.2) -> None:
+    """Wait for a condition with a generous deadline; the deadline is a hang guard, not a speed assert."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)

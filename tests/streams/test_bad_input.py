@@ -1,0 +1,110 @@
+"""Bad input while the whole loop runs: malformed bytes, a record of an unknown schema version and an
+oversized record each land on ``deadletter`` with source topic, partition, offset, error and field;
+the processor keeps running and the loop completes all its steps."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+from confluent_kafka import Consumer, TopicPartition
+from synthetic import logprobs, topic_reader, trajectory, wait_until
+
+from milestream.infra.kafka import RecordProducer, client_config, topic_name
+from milestream.orchestrator import run_loop
+from milestream.schemas import topics
+from milestream.schemas.codec import encode, headers_for
+from milestream.schemas.records import LogProbs, Trajectory
+
+MAX_RECORD_BYTES = 256 * 1024  # far below the topics' 8 MiB, so an oversized record still gets published
+
+# A producer from the future: the same record under the next schema version ("LogProbs/2").
+FutureLogProbs = type("LogProbs", (LogProbs,), {"VERSION": 2})
+
+
+def bad_values() -> dict[str, tuple[topics.TopicSpec, bytes, list]]:
+    """name -> (topic, value, headers). Each names a group of 2 with one record only: were it taken
+    for a good record, it would wait as a partial group and never reach the trainer."""
+    future = encode([FutureLogProbs(**logprobs("bad-version#0", 0, 2).to_row())])
+    rng = random.Random(0)
+    huge = trajectory("bad-oversized#0", 0, 2)
+    huge = Trajectory(**{**huge.to_row(), "response_ids": [rng.randrange(49152) for _ in range(300_000)]})
+    oversized = encode([huge])
+    assert MAX_RECORD_BYTES < len(oversized) < topics.TRAJECTORIES.max_message_mb * 1024 * 1024
+    return {
+        "malformed": (topics.TRAJECTORIES, b"\x00\x01 not an Arrow IPC stream", []),
+        "version": (topics.LOGPROBS, future, headers_for(FutureLogProbs)),
+        "oversized": (topics.TRAJECTORIES, oversized, headers_for(Trajectory)),
+    }
+
+
+class Injector(threading.Thread):
+    """Once the processor has emitted its first group (the loop is running), publishes the bad values."""
+
+    def __init__(self, cfg, values):
+        super().__init__(name="bad-input", daemon=True)
+        self.cfg, self.values, self.error, self.injected = cfg, values, None, False
+
+    def run(self) -> None:
+        try:
+            reader = topic_reader(self.cfg, topics.GROUPS)
+            wait_until(lambda: reader.poll(0.5) is not None, 240, "the first group of the loop", poll_s=0)
+            reader.close()
+            producer = RecordProducer(self.cfg.broker, client_id="bad-input")
+            for name, (spec, value, headers) in self.values.items():
+                producer.send_raw(spec, value, f"bad-{name}", headers)
+            producer.flush()
+            self.injected = True
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the test after the loop
+            self.error = exc
+
+
+def value_at(cfg, topic: str, partition: int, offset: int) -> bytes | None:
+    """The value stored at one position of a topic (what a dead letter points to)."""
+    consumer = Consumer(client_config(cfg.broker, **{"group.id": f"probe-{time.time()}", "enable.auto.commit": "false",
+                                                     "fetch.message.max.bytes": str(cfg.broker.max_message_bytes)}))
+    consumer.assign([TopicPartition(topic, partition, offset)])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            message = consumer.poll(1.0)
+            if message is not None and not message.error():
+                assert message.offset() == offset
+                return message.value()
+        raise AssertionError(f"nothing at {topic}[{partition}]@{offset}")
+    finally:
+        consumer.close()
+
+
+def test_bad_input_is_dead_lettered_and_the_loop_completes(cfg):
+    cfg = cfg.with_overrides(buffer={"max_record_bytes": MAX_RECORD_BYTES},
+                             trainer={"steps": 3, "checkpoint_every": 3}, run={"max_wall_s": 300})
+    values = bad_values()
+    injector = Injector(cfg, values)
+    injector.start()
+    try:
+        summary = run_loop(cfg)
+    except BaseException:
+        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
+            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        raise
+    injector.join(timeout=30)
+    assert injector.error is None and injector.injected
+    assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
+
+    reader = topic_reader(cfg, topics.DEADLETTER)
+    letters = {letter.key.decode(): letter for d in reader.drain(idle_s=3.0) for letter in d.records}
+    reader.close()
+    assert sorted(letters) == ["bad-malformed", "bad-oversized", "bad-version"]
+    expected = {  # name -> (field, words of the error)
+        "malformed": ("<value>", "not an Arrow IPC stream"),
+        "version": ("<schema>", "schema 'LogProbs/2', expected 'LogProbs/1'"),
+        "oversized": ("<value>", f"over buffer.max_record_bytes ({MAX_RECORD_BYTES})"),
+    }
+    for name, (field, words) in expected.items():
+        letter, (spec, value, _) = letters[f"bad-{name}"], values[name]
+        assert letter.source_topic == topic_name(cfg.broker, spec)
+        assert (letter.field, letter.value) == (field, value)
+        assert words in letter.error and f"@{letter.offset}" in letter.error
+        assert value_at(cfg, letter.source_topic, letter.partition, letter.offset) == value
