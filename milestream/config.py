@@ -98,6 +98,7 @@ class TrainerConfig(Section):
 
 class RunConfig(Section):
     run_dir: str = "runs/latest"
+    archive: bool = True  # write every topic to RUN_DIR/archive (the durable log of the embedded broker)
     prometheus_port: int | None = 0  # milestream run's metrics endpoint: 0 picks a free port, None: none
     max_wall_s: float = 840.0  # a time budget: the run stops at trainer.steps or here, whichever comes first
 

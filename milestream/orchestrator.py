@@ -4,6 +4,8 @@
     publish prompts; start the processor, the rollout workers and the trainer
     follow buffer.metrics and buffer.dropped, print each trainer step
     when the trainer finishes: stop everything, write summary.json and the plot
+    (an archiver, started first and stopped last, keeps every topic on disk; a run started again
+    on the same run folder resumes from that archive)
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def prepare(cfg: Config) -> None:
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
     Admin(cfg.broker).create_topics()
     Credit(cfg).initialise()
-    children = [Child("loader", ["load-prompts", "--follow"], config_path, log_dir),
+    children = [Child("archiver", ["archive"], config_path, log_dir)] if cfg.run.archive else []
+    children += [Child("loader", ["load-prompts", "--follow"], config_path, log_dir),
                 Child("processor", ["process"], config_path, log_dir)]
     children += [Child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"], config_path, log_dir)
                  for i in range(cfg.rollout.num_workers)]
@@ -111,6 +114,14 @@ def print_step(cfg: Config, record: Metrics, dropped: list[Dropped], elapsed: fl
           f"dropped {reasons or '-'}  loss {v['loss']:+.4f}  step {v['step_s']:.1f}s  [{elapsed:.0f}s]", flush=True)
 
 
+def resume_from_archive(cfg: Config, run_dir: Path) -> None:
+    """A fresh embedded broker holds nothing: put the archived run back, at the same offsets."""
+    from milestream.consumers.replay import resume
+
+    report, accounting = resume(cfg, run_dir)
+    print(f"resumed from the archive in {run_dir / 'archive'}: {report} {accounting}", flush=True)
+
+
 def run_loop(cfg: Config) -> dict:
     started = time.monotonic()
     run_dir = cfg.run_path
@@ -120,6 +131,8 @@ def run_loop(cfg: Config) -> dict:
     with services(cfg) as live:
         config_path = run_dir / "config.yaml"
         config_path.write_text(live.to_yaml())
+        if cfg.run.archive and not cfg.broker.bootstrap_servers and (run_dir / "archive" / "manifest.json").exists():
+            resume_from_archive(live, run_dir)
         children, trainer = start_stages(live, config_path, log_dir)
         try:
             steps, dropped, stopped_by = follow(live, children, trainer, started)

@@ -20,12 +20,12 @@ Durability:
   rewritten (again temp + fsync + rename). A crash between the two leaves a segment the state does
   not mention: on start the archiver reads the offsets of such segments and moves past them, so a
   restarted archiver neither duplicates nor skips a record.
-- A row is flushed at most ``flush_s`` (default 1 s) after the archiver read it, and a segment also
-  closes at ``segment_records`` rows or ``segment_bytes`` bytes.
+- A row is on disk at most ``flush_s`` (default 1 s) + one poll (0.2 s) after the archiver read it;
+  a segment also closes at ``segment_records`` rows or ``segment_bytes`` bytes.
 - **Loss bound.** The archiver's own crash loses nothing while the broker lives (it re-reads from
   its state). Losing the in-memory broker loses what the archiver had not yet flushed: the records
-  appended in about the last ``flush_s`` + one fetch wait (~1.1 s with the defaults), plus any lag
-  the archiver had built up. A planned restart loses nothing: stop the producers, let the archiver
+  appended in about the last ``flush_s`` + 0.25 s (~1.25 s with the defaults), plus any backlog the
+  archiver had not yet fetched. A planned restart loses nothing: stop the stages, let the archiver
   drain (``Archiver.run`` returns only after ``idle_s`` of quiet and a final flush), then stop the
   broker.
 """

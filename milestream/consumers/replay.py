@@ -11,6 +11,18 @@
                leak credit (prompts that rollout re-admits) nor hand it out twice (groups the trainer
                collects again after its checkpoint). See ``derive_accounting``.
 ``resume``     both: what a run does after its broker restarted, before its stages start again.
+
+What "resume" guarantees. Every offset a stage keeps outside the broker stays valid, because each
+record comes back at its archived offset: the trainer seeks to its checkpointed buffer.groups
+offsets and skips the groups in its checkpoint; the processor restarts from its restored committed
+offsets and its settled groups in Redis; rollout re-admits the prompts above its restored committed
+offset (a group half-published by a killed worker is generated again under the same ids, and the
+processor de-duplicates its samples); the prompt feeder continues from its position in Redis. After a
+planned restart (stages stopped, archiver drained, then the broker restarted) no record and no group
+is lost. After a broker crash the records in the archive's unflushed tail (see ``archive``) are lost;
+``reconcile`` refuses to resume when the trainer's checkpoint is past the archived buffer.groups,
+rather than let the trainer skip new groups. Republish into an empty broker only: one that already
+holds records fails the offset check (restart it again and re-run).
 """
 from __future__ import annotations
 
@@ -28,7 +40,8 @@ from milestream.config import Config
 from milestream.consumers.archive import ROW_SCHEMA, ArchiveState, load_manifest, read_topic, segment_paths
 from milestream.infra.kafka import client_config
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, decode_table
+from milestream.schemas.codec import Position, decode, decode_table
+from milestream.schemas.records import Prompt
 from milestream.streams.credit import Credit
 
 log = logging.getLogger(__name__)
@@ -185,51 +198,55 @@ def _rows(run_dir: Path, spec: topics.TopicSpec, columns: list[str]) -> list[tup
 
 
 def derive_accounting(cfg: Config, run_dir: str | Path, rollout_offsets: dict[int, int],
-                      trainer_offsets: dict[int, int], trainer_seen: set[str]) -> Accounting:
+                      trainer_offsets: dict[int, int], trainer_seen: set[str], prompts_published: int) -> Accounting:
     """Credit = capacity - groups that still hold one, from the log alone (every stage stopped).
 
-    A group holds a credit from its admission until it leaves (dropped by the processor, or collected
-    by the trainer). After a restart from the archive:
+    A group holds a credit from its admission until it leaves (taken or dropped stale by the
+    trainer, or dropped by the processor). After a restart from the archive:
       (a) a group on buffer.groups at or past the trainer's checkpointed offset, not in its seen set,
-          will be collected (again): it holds one;
+          will be read and leave (again): it holds one;
       (b) a group whose prompt lies below rollout's committed offset (it will not be admitted again)
           and that has not left yet (no buffer.groups / buffer.dropped record) will be settled by the
           processor: it holds one;
       (c) a group whose prompt lies at or past that offset is admitted again and takes a new credit;
           if it had already left, the processor treats its records as duplicates and never returns
           that credit, so one is added back in advance.
+    The feeder's admitted count is set so that published - admitted = the prompts rollout will read.
     """
     run_dir = Path(run_dir)
-    prompt_at = {r["prompt_id"]: (p, o) for p, o, r in _rows(run_dir, topics.PROMPTS, ["prompt_id"])}
-    group_prompt = {r["group_id"]: r["prompt_id"] for _, _, r in _rows(run_dir, topics.TRAJECTORIES, ["group_id", "prompt_id"])}
+    prompt_at = {prompt.group_id: (row["partition"], row["offset"])  # one group per prompt attempt
+                 for row in read_topic(run_dir, topics.PROMPTS.name).to_pylist()
+                 for prompt in decode(row["value"], Prompt, Position(topics.PROMPTS.name, row["partition"], row["offset"]))}
+    entered = {r["group_id"] for *_, r in _rows(run_dir, topics.TRAJECTORIES, ["group_id"])}
     emitted = _rows(run_dir, topics.GROUPS, ["group_id"])
     left = {r["group_id"] for *_, r in emitted} | {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
     to_collect = {r["group_id"] for p, o, r in emitted if o >= trainer_offsets.get(p, 0)} - trainer_seen
-
-    def readmitted(group_id: str) -> bool:
-        where = prompt_at.get(group_prompt[group_id])
-        return where is not None and where[1] >= rollout_offsets.get(where[0], 0)
-
-    pending = {g for g in group_prompt if not readmitted(g)} - left
-    settled_again = {g for g in group_prompt if readmitted(g)} & left
-    admitted = sum(1 for p, o in prompt_at.values() if o < rollout_offsets.get(p, 0))
+    unread = {g for g, (p, o) in prompt_at.items() if o >= rollout_offsets.get(p, 0)}
+    pending = entered - unread - left
+    settled_again = entered & unread & left
     held = len(to_collect) + len(pending)
-    return Accounting(cfg.buffer_capacity - held + len(settled_again), len(to_collect), admitted, held,
-                      len(settled_again))
+    return Accounting(cfg.buffer_capacity - held + len(settled_again), len(to_collect),
+                      max(0, prompts_published - len(unread)), held, len(settled_again))
 
 
-def reconcile(cfg: Config, run_dir: str | Path, restored: dict[str, dict[str, dict[int, int]]],
-              rollout_group: str | None = None) -> Accounting:
+def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_group: str | None = None) -> Accounting:
     """Write the derived counters to Redis; call with every stage stopped, after ``republish``."""
     from milestream.consumers import checkpoint  # torch: only a resume needs it
 
     payload = checkpoint.load_latest(run_dir)
     state = checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState()
+    ends = report.ends.get(topics.GROUPS.name, {})
+    past = {p: (o, ends.get(p, 0)) for p, o in state.offsets.items() if o > ends.get(p, 0)}
+    if past:  # the trainer would skip the first new groups at those offsets: refuse, loudly
+        raise ReplayError(f"the trainer's checkpoint is past the archived buffer.groups (partition: (checkpoint, "
+                          f"archive end)) {past}: the broker was lost before the archive caught up")
+    restored = report.groups
     # the rollout workers' consumer group (milestream.producers.worker names it so)
     rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
     rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
-    accounting = derive_accounting(cfg, run_dir, rollout_offsets, state.offsets, state.seen_groups)
     credit = Credit(cfg)
+    accounting = derive_accounting(cfg, run_dir, rollout_offsets, state.offsets, state.seen_groups,
+                                   credit.prompts_published())
     with credit.client.pipeline(transaction=True) as tx:
         tx.set(credit.key, accounting.credit)
         tx.set(credit.queued_key, accounting.queued)
@@ -243,7 +260,7 @@ def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple
     """After a broker restart, before the stages start again: republish, restore groups, reconcile."""
     live = target_config(cfg, run_dir, prefix)
     report = republish(live, run_dir, prefix=live.broker.topic_prefix)
-    return report, reconcile(live, run_dir, report.groups)
+    return report, reconcile(live, run_dir, report)
 
 
 def describe(run_dir: str | Path) -> dict[str, Any]:
