@@ -20,6 +20,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT: long-running stages finish their loop and close cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def build_config(args: argparse.Namespace) -> Config:
     overrides = list(args.overrides)
     if args.bootstrap_servers:
@@ -63,10 +71,7 @@ def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.producers.loader import feed_prompts, load_prompts
 
     if args.follow:
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        count = feed_prompts(cfg, lookahead=args.lookahead or 2 * cfg.buffer_capacity, stop=stop)
+        count = feed_prompts(cfg, lookahead=args.lookahead or 2 * cfg.buffer_capacity, stop=stop_on_signals())
     else:
         count = load_prompts(cfg, start=args.start, count=args.count)
     print(f"published {count} prompts")
@@ -76,9 +81,7 @@ def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
 def _metrics(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.consumers.metrics_exporter import PrometheusExporter
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     exporter = PrometheusExporter(cfg, args.prometheus_port)
     print(f"serving http://127.0.0.1:{exporter.port}/metrics", flush=True)
     exporter.run(stop)
@@ -102,9 +105,7 @@ def _topics(cfg: Config, args: argparse.Namespace) -> int:
 def _archive(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.consumers.archive import run_archiver
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     rows = run_archiver(cfg, stop, flush_s=args.flush_s, segment_records=args.segment_records)
     print(f"archived {rows} records into {cfg.run_path / 'archive'}")
     return 0
