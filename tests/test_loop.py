@@ -79,6 +79,10 @@ def test_whole_loop(loop_cfg):
     assert trained.keys() | dropped.keys() <= completed
     assert all(int(g.split("#")[0].rsplit("-", 1)[1]) % 3 for g in trained)
 
+    # the processor published its buffer figures once per trainer step (besides its timer)
+    processor_steps = {m.step for m in every["buffer.metrics"] if m.source == "processor"}
+    assert set(range(1, cfg.trainer.steps)) <= processor_steps
+
     # the weight version advanced on the trainer and on the rollout side
     assert [v.version for v in every["weights.versions"]] == list(range(1, cfg.trainer.steps + 1))
     acks = [a for a in every["weights.applied"] if a.ok]

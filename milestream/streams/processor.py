@@ -293,10 +293,13 @@ class Processor:
             message = event.message
             position = Position(message.topic, message.partition, message.offset)
             try:
-                for record in decode(event.value, spec.record, position):
-                    self.assembler.latest_version = max(self.assembler.latest_version, record.version)
+                newest = max(record.version for record in decode(event.value, spec.record, position))
             except RecordError as exc:
                 await self._dead_letter(position, exc, event)
+                continue
+            if newest > self.assembler.latest_version:
+                self.assembler.latest_version = newest
+                await self.publish_metrics()  # once per trainer step, besides the timer
 
     async def _settle(self, outcome: Outcome) -> None:
         """Send the group (or its drop record); it is settled and its sources let go once delivered."""
@@ -349,13 +352,14 @@ class Processor:
             "partial_groups": float(len(self.assembler.partial)),
             "held_source_records": float(self.offsets.held()),
             "latest_version": float(self.assembler.latest_version),
+            "uptime_s": elapsed,
             "in_records_per_s": self.counts["records_in"] / elapsed,
             "out_groups_per_s": self.counts["groups_out"] / elapsed,
             **{name: float(count) for name, count in self.counts.items()},
             # the same counts over the whole run, across processor restarts
             **{f"run_{name}": float(count) for name, count in self.settlements.totals().items()},
         }
-        record = Metrics("processor", int(elapsed), time.time(), values)
+        record = Metrics("processor", self.assembler.latest_version, time.time(), values)
         await self._topic[topics.METRICS.name].send(key=b"processor", value=encode([record]),
                                                     headers=headers_for(Metrics))
 
