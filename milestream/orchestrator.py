@@ -55,6 +55,7 @@ def prepare(cfg: Config) -> None:
 
 
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
+    prepare(cfg)
     Admin(cfg.broker).create_topics()
     Credit(cfg).initialise()
     children = [Child("archiver", ["archive"], config_path, log_dir)] if cfg.run.archive else []
@@ -127,7 +128,6 @@ def run_loop(cfg: Config) -> dict:
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    prepare(cfg)
     with services(cfg) as live:
         config_path = run_dir / "config.yaml"
         config_path.write_text(live.to_yaml())
