@@ -5,6 +5,7 @@ Sections mirror the stages of the loop. ``load_config`` reads an optional YAML f
 """
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -140,6 +141,15 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def import_path(path: str, knob: str) -> Any:
+    """A plug-in named by ``package.module:function`` (or ``package.module.function``)."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{knob} {path!r} does not name a function: {exc}") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

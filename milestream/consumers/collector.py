@@ -8,11 +8,10 @@ resumed trainer re-reads what it had not used, and skips by id what it had.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from milestream.config import Config
+from milestream.config import Config, import_path
 from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
@@ -47,19 +46,11 @@ def freshest_first(pool: Sequence[PooledGroup], count: int) -> list[PooledGroup]
     return sorted(pool, key=lambda g: (-g.oldest_version, g.arrival))[:count]
 
 
-def load_selector(path: str) -> Selector:
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"buffer.selector {path!r} does not name a function: {exc}") from None
-
-
 class GroupCollector:
     def __init__(self, cfg: Config, producer: RecordProducer, offsets: dict[int, int], partitions: list[int],
                  seen_groups: set[str]):
         self.cfg, self.producer, self.seen_groups = cfg, producer, seen_groups
-        self.selector = load_selector(cfg.buffer.selector)
+        self.selector: Selector = import_path(cfg.buffer.selector, "buffer.selector")
         self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
                                        deadletter=producer).assign(offsets, partitions)
         self.tracker = OffsetTracker()

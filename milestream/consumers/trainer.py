@@ -26,7 +26,6 @@ from milestream.infra.model import (compute_dtype, configure_process, load_model
 from milestream.schemas import topics
 from milestream.schemas.records import GroupSample, Metrics
 from milestream.streams import weights
-from milestream.streams.credit import Credit
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
         self.state = self._resume()
         self.producer = RecordProducer(cfg.broker, client_id="trainer")
-        self.credit = Credit(cfg)
         self.collector = GroupCollector(cfg, self.producer, self.state.offsets,
                                         Admin(cfg.broker).partitions(topics.GROUPS), self.state.seen_groups)
         self.stopping = False
@@ -135,8 +133,8 @@ class Trainer:
 
     def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
         lags = [g.staleness for g in batch]
-        values = {**figures, "version": float(self.state.version), "queue_size": float(self.credit.queued()),
-                  "credit_available": float(self.credit.available()),
+        values = {**figures, "version": float(self.state.version), "queue_size": float(self.collector.credit.queued()),
+                  "credit_available": float(self.collector.credit.available()),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
                   **self.collector.pool_figures(self.state.version)}
         record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)

@@ -7,11 +7,11 @@ rejects it, or (a pre-drop) when it is already past the staleness window of the 
 """
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from milestream.config import import_path
 from milestream.schemas.records import Dropped, GroupSample, LogProbs, Trajectory
 
 GroupFilter = Callable[[Sequence[GroupSample]], tuple[bool, str]]
@@ -19,13 +19,7 @@ GroupFilter = Callable[[Sequence[GroupSample]], tuple[bool, str]]
 
 def load_filter(path: str | None) -> GroupFilter | None:
     """``package.module:function`` (or ``package.module.function``) -> the function."""
-    if not path:
-        return None
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"buffer.filter {path!r} does not name a function: {exc}") from None
+    return import_path(path, "buffer.filter") if path else None
 
 
 def oldest_version(samples: Sequence[Trajectory]) -> int | None:
