@@ -108,8 +108,7 @@ class GroupCollector:
         del self.pool[group.group_id]
         self.seen_groups.add(group.group_id)
         self.tracker.done(group.position.partition, group.position.offset)
-        self.credit.dequeued()
-        self.credit.give_back()
+        self.credit.leave(group.group_id)
 
     def close(self) -> None:
         self.consumer.close()

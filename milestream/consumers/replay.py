@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -41,7 +42,7 @@ from milestream.consumers.archive import ROW_SCHEMA, ArchiveState, load_manifest
 from milestream.infra.kafka import client_config
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, decode, decode_table
-from milestream.schemas.records import Prompt
+from milestream.schemas.records import GroupSample, Prompt
 from milestream.streams.credit import Credit
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class Accounting:
     """The buffer's Redis counters as the restarted run must see them (see ``derive_accounting``)."""
 
     credit: int
-    queued: int
+    queued: dict[str, int]  # group id -> oldest token version, for the groups the trainer will read
     prompts_admitted: int
     held: int  # groups that will give a credit back without taking one
     readmitted_settled: int  # prompts rollout will admit again although their group already left
@@ -194,6 +195,19 @@ def _rows(run_dir: Path, spec: topics.TopicSpec, columns: list[str]) -> list[tup
         position = Position(spec.name, row["partition"], row["offset"])
         table = decode_table(row["value"], spec.record, position)
         out.append((row["partition"], row["offset"], {c: table.column(c)[0].as_py() for c in columns}))
+    return out
+
+
+def _group_rows(run_dir: Path) -> list[tuple[int, int, dict[str, Any]]]:
+    """(partition, offset, {group_id, oldest_version}) of every archived buffer.groups record."""
+    out = []
+    for row in read_topic(run_dir, topics.GROUPS.name).to_pylist():
+        position = Position(topics.GROUPS.name, row["partition"], row["offset"])
+        table = decode_table(row["value"], GroupSample, position)
+        versions = pc.list_flatten(table.column("token_versions"))
+        oldest = pc.min(versions).as_py() if len(versions) else None
+        out.append((row["partition"], row["offset"], {"group_id": table.column("group_id")[0].as_py(),
+                                                      "oldest_version": -1 if oldest is None else oldest}))
     return out
 
 
@@ -218,14 +232,15 @@ def derive_accounting(cfg: Config, run_dir: str | Path, rollout_offsets: dict[in
                  for row in read_topic(run_dir, topics.PROMPTS.name).to_pylist()
                  for prompt in decode(row["value"], Prompt, Position(topics.PROMPTS.name, row["partition"], row["offset"]))}
     entered = {r["group_id"] for *_, r in _rows(run_dir, topics.TRAJECTORIES, ["group_id"])}
-    emitted = _rows(run_dir, topics.GROUPS, ["group_id"])
+    emitted = _group_rows(run_dir)
     left = {r["group_id"] for *_, r in emitted} | {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
-    to_collect = {r["group_id"] for p, o, r in emitted if o >= trainer_offsets.get(p, 0)} - trainer_seen
+    to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in emitted
+                  if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}
     unread = {g for g, (p, o) in prompt_at.items() if o >= rollout_offsets.get(p, 0)}
     pending = entered - unread - left
     settled_again = entered & unread & left
     held = len(to_collect) + len(pending)
-    return Accounting(cfg.buffer_capacity - held + len(settled_again), len(to_collect),
+    return Accounting(cfg.buffer_capacity - held + len(settled_again), to_collect,
                       max(0, prompts_published - len(unread)), held, len(settled_again))
 
 
@@ -249,7 +264,9 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
                                    credit.prompts_published())
     with credit.client.pipeline(transaction=True) as tx:
         tx.set(credit.key, accounting.credit)
-        tx.set(credit.queued_key, accounting.queued)
+        tx.delete(credit.queued_key, credit.taken_early_key)
+        if accounting.queued:
+            tx.hset(credit.queued_key, mapping=accounting.queued)
         tx.set(credit.admitted_key, accounting.prompts_admitted)
         tx.execute()
     log.info("reconciled the buffer: %s", accounting)

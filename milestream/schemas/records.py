@@ -67,7 +67,7 @@ TRAJECTORY_FIELDS = [
     ("prompt_ids", I32_LIST), ("response_ids", I32_LIST), ("loss_mask", pa.list_(pa.int8())),
     ("token_versions", I32_LIST), ("reward", pa.float32()), ("status", pa.string()),
     ("response_text", pa.string()), ("engine_id", pa.string()), ("worker_id", pa.string()),
-    ("submitted_at", pa.float64()), ("finished_at", pa.float64()),
+    ("submitted_at", pa.float64()), ("finished_at", pa.float64()), ("routing_chunks", pa.int32()),
 ]
 
 
@@ -90,6 +90,7 @@ class Trajectory(Record):
     worker_id: str
     submitted_at: float
     finished_at: float
+    routing_chunks: int = 0  # Routing records that belong to it on rollout.routing (0: none recorded)
     SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS)
     STATUSES: ClassVar = ("completed", "truncated", "aborted")
 
@@ -139,10 +140,19 @@ class Routing(Record):
 @_checked
 @dataclass(frozen=True)
 class GroupSample(Trajectory):
-    """One row of a joined group on ``buffer.groups``: a trajectory with its log-probs."""
+    """One row of a joined group on ``buffer.groups``: a trajectory with its log-probs and routing.
+
+    The routing chunks travel as they came (compressed); ``schemas.routing.expert_ids`` unpacks them.
+    """
 
     logprobs: list[float] = field(default_factory=list)
-    SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS + [("logprobs", F32_LIST)])
+    routing_layout: list[int] = field(default_factory=list)  # [tokens, layers, top_k, id_bytes]; [] when none
+    routing_compression: str = ""
+    routing_data: list[bytes] = field(default_factory=list)  # chunks in order
+    SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS + [
+        ("logprobs", F32_LIST), ("routing_layout", I32_LIST), ("routing_compression", pa.string()),
+        ("routing_data", pa.list_(pa.binary())),
+    ])
 
 
 @_checked

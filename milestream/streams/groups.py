@@ -1,7 +1,9 @@
 """Group assembly and the arrival drop rules, free of any broker so they can be tested alone.
 
-A group is complete when every sample has both its trajectory and its log-probs. Records are
-de-duplicated by trajectory id, so a re-read (after a restart) or a duplicate publish is harmless.
+A group is complete when every sample has its trajectory, its log-probs and, when its engine recorded
+MoE routing (``Trajectory.routing_chunks`` > 0), every routing chunk. Records may arrive in any order
+and are de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is
+harmless.
 On completion a group is dropped, in Miles' order, when a sample was aborted, when the user filter
 rejects it, or (a pre-drop) when it is already past the staleness window of the latest version seen.
 """
@@ -12,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from milestream.config import import_path
-from milestream.schemas.records import Dropped, GroupSample, LogProbs, Trajectory
+from milestream.schemas.records import Dropped, GroupSample, LogProbs, Routing, Trajectory
+from milestream.schemas.routing import joined_fields
 
+SourceRecord = Trajectory | LogProbs | Routing
 GroupFilter = Callable[[Sequence[GroupSample]], tuple[bool, str]]
 
 
@@ -33,20 +37,70 @@ def staleness(samples: Sequence[Trajectory], current_version: int) -> int:
     return 0 if oldest is None else current_version - oldest
 
 
+class MismatchError(ValueError):
+    """A record that does not fit its group; ``field`` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name
+
+
 @dataclass
 class PartialGroup:
     group_size: int
     trajectories: dict[int, Trajectory] = field(default_factory=dict)
     logprobs: dict[int, LogProbs] = field(default_factory=dict)
+    routing: dict[int, dict[int, Routing]] = field(default_factory=dict)  # sample -> chunk -> record
     handles: list[Any] = field(default_factory=list)  # source events, acknowledged when the group leaves
     first_seen: float = field(default_factory=time.monotonic)
 
     def complete(self) -> bool:
-        return len(self.trajectories) == self.group_size and len(self.logprobs) == self.group_size
+        return (len(self.trajectories) == self.group_size and len(self.logprobs) == self.group_size
+                and all(len(self.routing.get(i, {})) == t.routing_chunks for i, t in self.trajectories.items()))
+
+    def has(self, record: SourceRecord) -> bool:
+        if isinstance(record, Routing):
+            return record.chunk_index in self.routing.get(record.sample_index, {})
+        return record.sample_index in (self.trajectories if isinstance(record, Trajectory) else self.logprobs)
+
+    def check(self, record: SourceRecord) -> None:
+        """Raise MismatchError when the record contradicts what the group already holds."""
+        if record.group_size != self.group_size or not 0 <= record.sample_index < self.group_size:
+            raise MismatchError("group_size", f"group {record.group_id}: sample {record.sample_index} of "
+                                f"{record.group_size} does not fit a group of {self.group_size}")
+        expected = self._routing_chunks(record.sample_index)
+        if isinstance(record, Trajectory):
+            declared = record.routing_chunks
+        elif isinstance(record, Routing):
+            declared = record.num_chunks
+            if not 0 <= record.chunk_index < record.num_chunks:
+                raise MismatchError("chunk_index", f"group {record.group_id} sample {record.sample_index}: "
+                                    f"chunk {record.chunk_index} of {record.num_chunks}")
+        else:
+            return
+        if expected is not None and declared != expected:
+            raise MismatchError("num_chunks" if isinstance(record, Routing) else "routing_chunks",
+                                f"group {record.group_id} sample {record.sample_index}: {declared} routing chunks "
+                                f"declared, {expected} by the records before")
+
+    def put(self, record: SourceRecord) -> None:
+        if isinstance(record, Routing):
+            self.routing.setdefault(record.sample_index, {})[record.chunk_index] = record
+        elif isinstance(record, Trajectory):
+            self.trajectories[record.sample_index] = record
+        else:
+            self.logprobs[record.sample_index] = record
+
+    def _routing_chunks(self, sample_index: int) -> int | None:
+        if sample_index in self.trajectories:
+            return self.trajectories[sample_index].routing_chunks
+        chunks = self.routing.get(sample_index)
+        return next(iter(chunks.values())).num_chunks if chunks else None
 
     def joined(self) -> list[GroupSample]:
         return [
-            GroupSample(**self.trajectories[i].to_row(), logprobs=self.logprobs[i].logprobs)
+            GroupSample(**self.trajectories[i].to_row(), logprobs=self.logprobs[i].logprobs,
+                        **joined_fields(list(self.routing.get(i, {}).values())))
             for i in sorted(self.trajectories)
         ]
 
@@ -79,18 +133,19 @@ class GroupAssembler:
             raise ValueError(f"group {group_id} is partial here; it cannot have left")
         self.finished.add(group_id)
 
-    def add(self, record: Trajectory | LogProbs, handle: Any = None) -> tuple[Outcome | None, bool]:
-        """Add one record; returns (the group's outcome if it just completed, whether the record was new)."""
+    def add(self, record: SourceRecord, handle: Any = None) -> tuple[Outcome | None, bool]:
+        """Add one record; returns (the group's outcome if it just completed, whether the record was new).
+
+        Raises MismatchError (and keeps nothing of the record) when it contradicts its group.
+        """
         if record.group_id in self.finished:
             return None, False
-        group = self.partial.setdefault(record.group_id, PartialGroup(record.group_size))
-        slot = group.trajectories if isinstance(record, Trajectory) else group.logprobs
-        if record.sample_index in slot:
+        group = self.partial.get(record.group_id) or PartialGroup(record.group_size)
+        if group.has(record):
             return None, False
-        if record.group_size != group.group_size or not 0 <= record.sample_index < group.group_size:
-            raise ValueError(f"group {record.group_id}: sample {record.sample_index} of {record.group_size} "
-                             f"does not fit a group of {group.group_size}")
-        slot[record.sample_index] = record
+        group.check(record)
+        self.partial[record.group_id] = group
+        group.put(record)
         group.handles.append(handle)
         if not group.complete():
             return None, True
@@ -104,7 +159,9 @@ class GroupAssembler:
         for gid in expired:
             group = self.partial[gid]
             samples = [GroupSample(**t.to_row()) for t in group.trajectories.values()]
-            detail = f"{len(group.trajectories)}/{group.group_size} trajectories, {len(group.logprobs)} log-probs"
+            chunks = sum(len(c) for c in group.routing.values())
+            detail = (f"{len(group.trajectories)}/{group.group_size} trajectories, {len(group.logprobs)} log-probs, "
+                      f"{chunks} routing chunks")
             outcomes.append(self._finish(gid, ("incomplete", detail), samples))
         return outcomes
 

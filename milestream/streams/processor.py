@@ -1,6 +1,7 @@
 """The stream processor: a faust-streaming app that turns rollout records into trainable groups.
 
-rollout.trajectories + rollout.logprobs (keyed by group id, so one partition holds a whole group)
+rollout.trajectories + rollout.logprobs + rollout.routing (when an engine records MoE routing; all
+keyed by group id, so one partition number holds a whole group)
   -> buffer.groups   a complete group that passed the arrival rules
   -> buffer.dropped  a group dropped on arrival (or still incomplete after buffer.incomplete_after_s)
   -> deadletter      a record that is too large (buffer.max_record_bytes), does not decode, or has an
@@ -34,9 +35,9 @@ from milestream.config import Config
 from milestream.infra.kafka import topic_name
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
-from milestream.schemas.records import DeadLetter, Dropped, GroupSample, LogProbs, Metrics, Trajectory
+from milestream.schemas.records import DeadLetter, Dropped, GroupSample, Metrics
 from milestream.streams.credit import Credit
-from milestream.streams.groups import GroupAssembler, Outcome, load_filter
+from milestream.streams.groups import GroupAssembler, MismatchError, Outcome, SourceRecord, load_filter, oldest_version
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,18 @@ redis.call('HSET', KEYS[1], ARGV[1], 'sending')
 return previous
 """
 
-# KEYS: group states, run totals, credit, queued. ARGV: group id, "emitted" or the drop reason.
-# Returns 1 when this call settled the group, 0 when it had been settled before (nothing counted).
+# KEYS: group states, run totals, credit, queued, taken early. ARGV: group id, "emitted" or the drop
+# reason, the group's oldest token version. Returns 1 when this call settled the group, 0 when it
+# had been settled before (nothing counted).
 _SETTLE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == 'settled' then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], 'settled')
 if ARGV[2] == 'emitted' then
-  redis.call('INCR', KEYS[4])
+  if redis.call('SREM', KEYS[5], ARGV[1]) == 1 then
+    redis.call('INCR', KEYS[3])
+  else
+    redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+  end
   redis.call('HINCRBY', KEYS[2], 'groups_out', 1)
 else
   redis.call('INCR', KEYS[3])
@@ -78,9 +84,9 @@ class Settlements:
         credit = Credit(cfg)
         self.client = credit.client
         namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
-        self.states_key = namespace + "processor-groups"
+        self.states_key = credit.group_states_key
         self.totals_key = namespace + "processor-totals"
-        self._credit_keys = [credit.key, credit.queued_key]
+        self._credit_keys = [credit.key, credit.queued_key, credit.taken_early_key]
         self._begin = self.client.register_script(_BEGIN)
         self._settle = self.client.register_script(_SETTLE)
 
@@ -93,10 +99,10 @@ class Settlements:
         value = self._begin(keys=[self.states_key, self.totals_key], args=[group_id])
         return value.decode() if value is not None else None
 
-    def settle(self, group_id: str, outcome: str) -> bool:
+    def settle(self, group_id: str, outcome: str, oldest_version: int = -1) -> bool:
         """``outcome``: "emitted" or the drop reason. False when the group had been settled before."""
         keys = [self.states_key, self.totals_key, *self._credit_keys]
-        return bool(self._settle(keys=keys, args=[group_id, outcome]))
+        return bool(self._settle(keys=keys, args=[group_id, outcome, oldest_version]))
 
     def totals(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.client.hgetall(self.totals_key).items()}
@@ -226,7 +232,8 @@ def faust_settings(cfg: Config) -> dict[str, Any]:
 class Processor:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sources = {topic_name(cfg.broker, spec): spec for spec in (topics.TRAJECTORIES, topics.LOGPROBS)}
+        self.sources = {topic_name(cfg.broker, spec): spec
+                        for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)}
         self.offsets = SourceOffsets(self.sources)
         self.app = ProcessorApp(app_id(cfg), **faust_settings(cfg))
         self.app.fetch_wait_ms = cfg.broker.fetch_wait_ms
@@ -268,13 +275,13 @@ class Processor:
         # not in a finally: an unexpected error leaves the event unacknowledged, to be re-read
         held.release()
 
-    async def _admit(self, record: Trajectory | LogProbs, held: HeldEvent, position: Position) -> None:
+    async def _admit(self, record: SourceRecord, held: HeldEvent, position: Position) -> None:
         if not self.assembler.knows(record.group_id):
             self._recall(record.group_id)
         try:
             outcome, fresh = self.assembler.add(record, held)
-        except ValueError as exc:
-            raise RecordError(position, "group_size", str(exc)) from None
+        except MismatchError as exc:
+            raise RecordError(position, exc.field, str(exc)) from None
         self.counts["records_in" if fresh else "duplicates"] += 1
         if fresh:
             held.hold()  # the group holds the event until the group leaves
@@ -323,7 +330,8 @@ class Processor:
                       "cancelled" if delivery.cancelled() else delivery.exception())
             return
         reason = "emitted" if outcome.dropped is None else outcome.dropped.reason
-        if self.settlements.settle(outcome.group_id, reason):
+        oldest = oldest_version(outcome.samples)
+        if self.settlements.settle(outcome.group_id, reason, -1 if oldest is None else oldest):
             self.counts["groups_out" if outcome.dropped is None else f"dropped_{reason}"] += 1
         else:
             self.counts["groups_settled_twice"] += 1
@@ -347,7 +355,7 @@ class Processor:
     async def publish_metrics(self) -> None:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         values = {
-            "queue_size": float(self.credit.queued()),
+            **self.credit.queue_figures(self.assembler.latest_version),
             "credit_available": float(self.credit.available()),
             "partial_groups": float(len(self.assembler.partial)),
             "held_source_records": float(self.offsets.held()),

@@ -265,7 +265,8 @@ def test_run_survives_broker_restart(cfg, tmp_path):
         report, accounting = resume(run, run_dir)
         assert report.records["rollout.trajectories"] == len(archived_records(run_dir, topics.TRAJECTORIES))
         assert {f"{run.broker.topic_prefix}rollout", f"{run.broker.topic_prefix}milestream-processor"} <= report.groups.keys()
-        assert accounting.queued >= 0
+        assert set(accounting.queued) <= {g.group_id for g in archived_records(run_dir, topics.GROUPS)}
+        assert Credit(run).queued() == len(accounting.queued)
         sizes = collections.Counter(t.group_id for t in archived_records(run_dir, topics.TRAJECTORIES))
         print(f"restart: {len(entered)} groups entered ({sum(n < run.rollout.group_size for n in sizes.values())} "
               f"half published), trainer at step {resumed_from}; credit {before} -> {accounting}")

@@ -9,32 +9,55 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 from milestream.config import Config
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.services import die_with_parent
 from milestream.schemas import topics
+from milestream.schemas import routing
 from milestream.schemas.records import LogProbs, Record, Trajectory
+
+NUM_EXPERTS, ROUTING_LAYERS, TOP_K, ROUTING_CHUNK_TOKENS = 16, 3, 2, 3
 
 Published = tuple[topics.TopicSpec, Record]
 
 
-def trajectory(group_id: str, index: int, group_size: int, response_tokens: int = 4) -> Trajectory:
+def trajectory(group_id: str, index: int, group_size: int, response_tokens: int = 4,
+               routing_chunks: int = 0) -> Trajectory:
     return Trajectory(f"{group_id}/{index}", group_id, f"prompt-{group_id}", index, group_size, [1, 2, 3],
                       list(range(10, 10 + response_tokens)), [1] * response_tokens, [0] * response_tokens,
-                      float(index), "completed", "", "synthetic", "synthetic", 0.0, 0.0)
+                      float(index), "completed", "", "synthetic", "synthetic", 0.0, 0.0, routing_chunks)
+
+
+def expert_ids(group_id: str, index: int, tokens: int) -> np.ndarray:
+    """A trajectory's routing, derived from its id so a reader can recompute what was sent."""
+    seed = zlib.crc32(f"{group_id}/{index}".encode())
+    return np.random.default_rng(seed).integers(0, NUM_EXPERTS, size=(tokens, ROUTING_LAYERS, TOP_K))
+
+
+def routing_records(group_id: str, index: int, group_size: int, tokens: int) -> list[Record]:
+    return routing.pack(f"{group_id}/{index}", group_id, index, group_size, expert_ids(group_id, index, tokens),
+                        NUM_EXPERTS, chunk_tokens=ROUTING_CHUNK_TOKENS)
 
 
 def logprobs(group_id: str, index: int, group_size: int, response_tokens: int = 4) -> LogProbs:
     return LogProbs(f"{group_id}/{index}", group_id, index, group_size, [-0.5] * response_tokens)
 
 
-def group_records(group_id: str, group_size: int) -> list[Published]:
-    """Every record of one complete group: G trajectories and G log-probs."""
-    return [(topics.TRAJECTORIES, trajectory(group_id, i, group_size)) for i in range(group_size)] + \
-           [(topics.LOGPROBS, logprobs(group_id, i, group_size)) for i in range(group_size)]
+def group_records(group_id: str, group_size: int, with_routing: bool = False) -> list[Published]:
+    """Every record of one complete group: G trajectories, G log-probs and, with routing, its chunks."""
+    tokens = 4  # the response length of trajectory(); the prompt's routing is not replayed
+    chunks = -(-tokens // ROUTING_CHUNK_TOKENS) if with_routing else 0
+    out: list[Published] = [(topics.TRAJECTORIES, trajectory(group_id, i, group_size, tokens, chunks))
+                            for i in range(group_size)]
+    out += [(topics.LOGPROBS, logprobs(group_id, i, group_size, tokens)) for i in range(group_size)]
+    if with_routing:
+        out += [(topics.ROUTING, r) for i in range(group_size) for r in routing_records(group_id, i, group_size, tokens)]
+    return out
 
 
 class ProcessorProcess:

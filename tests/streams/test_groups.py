@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 
+from milestream.schemas import routing
 from milestream.schemas.records import LogProbs, Trajectory
 from milestream.streams.filters import reward_nonzero_std
-from milestream.streams.groups import GroupAssembler, load_filter, oldest_version, staleness
+from milestream.streams.groups import GroupAssembler, MismatchError, load_filter, oldest_version, staleness
 
 
 def traj(group: str, i: int, size: int = 2, status: str = "completed", reward: float = 0.0, versions=(1, 2)):
@@ -78,3 +80,52 @@ def test_incomplete_groups_expire_with_a_reason():
 def test_filter_is_loaded_by_import_path():
     assert load_filter("milestream.streams.filters:reward_nonzero_std") is reward_nonzero_std
     assert load_filter("milestream.streams.filters.reward_nonzero_std") is reward_nonzero_std
+
+
+def routed_traj(group: str, i: int, chunks: int, size: int = 2):
+    return Trajectory(f"{group}/{i}", group, "p", i, size, [1], [2, 3], [1, 1], [1, 1], 0.0, "completed",
+                      "", "e", "w", 0.0, 0.0, chunks)
+
+
+def test_a_group_with_routing_waits_for_every_chunk_in_any_order_and_carries_them():
+    ids = {i: np.arange(2 * 3 * 2).reshape(2, 3, 2) % 8 + i for i in range(2)}
+    chunks = {i: routing.pack(f"g/{i}", "g", i, 2, ids[i], num_experts=16, chunk_tokens=1) for i in range(2)}
+    assembler = GroupAssembler()
+    records = [chunks[1][1], lp("g", 0), routed_traj("g", 0, 2), chunks[0][0], routed_traj("g", 1, 2), lp("g", 1),
+               chunks[1][0], chunks[1][1]]
+    for record in records:
+        outcome, _ = assembler.add(record)
+        assert outcome is None  # chunk 0/1 of sample 0 is still missing
+    assert assembler.add(chunks[0][0]) == (None, False)  # a duplicate chunk
+    outcome, fresh = assembler.add(chunks[0][1])
+    assert fresh and outcome.dropped is None
+    for sample in outcome.samples:
+        assert np.array_equal(routing.expert_ids(sample), ids[sample.sample_index])
+
+
+def test_routing_that_contradicts_its_trajectory_is_refused_and_nothing_of_it_kept():
+    assembler = GroupAssembler()
+    assembler.add(routed_traj("g", 0, chunks=1))
+    extra = routing.pack("g/0", "g", 0, 2, np.zeros((4, 1, 1), dtype=int), num_experts=4, chunk_tokens=2)
+    with pytest.raises(MismatchError) as caught:
+        assembler.add(extra[0])
+    assert caught.value.field == "num_chunks"
+    assert not assembler.partial["g"].routing
+    assembler.add(routed_traj("h", 0, chunks=3, size=5))
+    with pytest.raises(MismatchError) as caught:
+        assembler.add(routed_traj("h", 1, chunks=3, size=2))
+    assert caught.value.field == "group_size"
+
+
+def test_routing_packs_into_the_narrowest_width_and_round_trips():
+    rng = np.random.default_rng(0)
+    small = rng.integers(0, 256, size=(50, 4, 8))
+    records = routing.pack("t", "g", 0, 1, small, num_experts=256, chunk_tokens=16)
+    assert [r.chunk_index for r in records] == [0, 1, 2, 3] and {r.num_chunks for r in records} == {4}
+    assert {r.id_bytes for r in records} == {1}
+    fields = routing.joined_fields(records[::-1])
+    assert np.array_equal(routing.unpack(fields["routing_layout"], fields["routing_compression"], fields["routing_data"]), small)
+    wide = rng.integers(0, 300, size=(5, 2, 2))
+    assert routing.pack("t", "g", 0, 1, wide, num_experts=300)[0].id_bytes == 2
+    with pytest.raises(ValueError):
+        routing.pack("t", "g", 0, 1, wide, num_experts=256)

@@ -2,7 +2,8 @@
 and every group that entered leaves exactly once (after de-duplication by group id), none lost.
 
 Records of several groups are interleaved on each partition, as concurrent rollout workers write
-them. A kill wave is cut in two: its first part completes some groups and only half-fills the
+them; every other group also carries MoE routing chunks on rollout.routing, which the join must
+deliver intact. A kill wave is cut in two: its first part completes some groups and only half-fills the
 others, the processor emits the complete ones and commits, and then it is killed before the second
 part arrives. A commit that passed an offset of a half-filled group would lose that group's early
 records on restart; a processor that forgot what it had emitted would emit or count a group twice.
@@ -14,10 +15,11 @@ import random
 import time
 
 from confluent_kafka import Consumer, TopicPartition
-from synthetic import ProcessorProcess, all_partitions, group_records, topic_reader, wait_until
+import numpy as np
+from synthetic import ProcessorProcess, all_partitions, expert_ids, group_records, topic_reader, wait_until
 
 from milestream.infra.kafka import RecordProducer, client_config, topic_name
-from milestream.schemas import topics
+from milestream.schemas import routing, topics
 from milestream.streams.credit import Credit
 from milestream.streams.processor import Settlements, app_id
 
@@ -26,15 +28,16 @@ WAVES = 10
 GROUPS_PER_WAVE = 8  # the first half complete within the wave's first part, the rest straddle the cut
 KILL_WAVES = (1, 3, 5, 7)
 COMMIT_INTERVAL_S = 0.5
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS)
+SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
 
 
 def split_wave(wave: int, rng: random.Random):
     """(first part, second part, groups complete in the first part, every group of the wave)."""
     ids = [f"w{wave}-g{i}#0" for i in range(GROUPS_PER_WAVE)]
+    records = {gid: group_records(gid, GROUP_SIZE, with_routing=i % 2 == 1) for i, gid in enumerate(ids)}
     early, late = ids[:GROUPS_PER_WAVE // 2], ids[GROUPS_PER_WAVE // 2:]
-    late_records = {gid: group_records(gid, GROUP_SIZE) for gid in late}
-    first = [r for gid in early for r in group_records(gid, GROUP_SIZE)]
+    late_records = {gid: records[gid] for gid in late}
+    first = [r for gid in early for r in records[gid]]
     first += [r for gid in late for r in late_records[gid][::2]]
     second = [r for gid in late for r in late_records[gid][1::2]]
     rng.shuffle(first)
@@ -85,12 +88,17 @@ class EmittedGroups:
         self.reader = topic_reader(cfg, topics.GROUPS)
         self.messages: collections.Counter[str] = collections.Counter()
         self.sizes: dict[str, set[int]] = collections.defaultdict(set)
+        self.routing_intact: dict[str, set[bool]] = collections.defaultdict(set)
 
     def catch_up(self, idle_s: float = 0.2) -> None:
         for delivery in self.reader.drain(idle_s=idle_s, max_wait_s=30.0):
             gid = delivery.records[0].group_id
             self.messages[gid] += 1
             self.sizes[gid].add(sum(1 for s in delivery.records if len(s.logprobs) == len(s.response_ids)))
+            for s in delivery.records:
+                ids = routing.expert_ids(s)
+                if ids is not None:
+                    self.routing_intact[gid].add(np.array_equal(ids, expert_ids(gid, s.sample_index, len(s.response_ids))))
 
     def wait_for(self, group_ids, processor, timeout_s: float) -> None:
         def arrived() -> bool:
@@ -154,6 +162,9 @@ def test_sigkill_at_several_points_loses_no_group_and_counts_each_once(cfg, tmp_
     assert set(emitted.messages) == set(entered)
     assert dropped == []
     assert all(sizes == {GROUP_SIZE} for sizes in emitted.sizes.values())
+    routed = {gid for gid in entered if int(gid.split("-g")[1].split("#")[0]) % 2 == 1}
+    assert emitted.routing_intact.keys() == routed  # joined with their routing chunks, which decode exactly
+    assert all(intact == {True} for intact in emitted.routing_intact.values())
     # the processor's accounting counted each group once, however many times it reached the topic
     duplicates = sum(count - 1 for count in emitted.messages.values())
     print(f"{len(entered)} groups, {duplicates} duplicate emissions, processor totals {totals}")

@@ -42,14 +42,38 @@ def test_a_group_is_settled_and_accounted_once_however_often_it_is_sent(cfg):
     assert settlements.state("g#0") is None
     assert settlements.begin("g#0") is None
     assert settlements.begin("g#0") == SENDING  # sent again, as after a restart: a possible duplicate
-    assert settlements.settle("g#0", "emitted")
-    assert not settlements.settle("g#0", "emitted")
+    assert settlements.settle("g#0", "emitted", 3)
+    assert not settlements.settle("g#0", "emitted", 3)
     assert settlements.state("g#0") == SETTLED and settlements.begin("g#0") == SETTLED
     assert settlements.begin("d#0") is None and settlements.settle("d#0", "aborted")
     assert not settlements.settle("d#0", "aborted")
     assert settlements.totals() == {"groups_out": 1, "groups_resent": 1, "dropped_aborted": 1}
     assert credit.queued() == 1  # the emitted group waits for the trainer
     assert credit.available() == available + 1  # the dropped group's credit came back, once
+
+
+def test_the_queue_knows_each_waiting_groups_staleness_and_a_group_leaves_it_once(cfg):
+    settlements, credit = Settlements(cfg), Credit(cfg)
+    available = credit.available()
+    for group_id, oldest in (("a#0", 1), ("b#0", 4)):
+        settlements.begin(group_id)
+        settlements.settle(group_id, "emitted", oldest)
+    assert credit.queue_figures(5) == {"queue_size": 2.0, "queue_staleness_mean": 2.5, "queue_staleness_max": 4.0}
+    assert credit.leave("a#0")
+    assert not credit.leave("a#0")  # taken again by a restarted trainer: no second credit
+    assert credit.queued_versions() == [4] and credit.available() == available + 1
+
+
+def test_a_group_the_trainer_takes_before_it_is_settled_gives_its_credit_back_at_settlement(cfg):
+    settlements, credit = Settlements(cfg), Credit(cfg)
+    available = credit.available()
+    settlements.begin("early#0")
+    assert credit.leave("early#0")  # read from buffer.groups before the delivery report came
+    assert not credit.leave("early#0")  # and again by a restarted trainer: it had left already
+    assert credit.available() == available
+    settlements.settle("early#0", "emitted", 2)
+    assert credit.queued() == 0 and credit.available() == available + 1
+    assert not credit.leave("early#0")
 
 
 def test_records_of_a_group_that_left_before_a_restart_are_duplicates():
