@@ -91,10 +91,26 @@ class TrainerConfig(Section):
     lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    clip_eps: float = 0.2
-    tis_interval: tuple[float, float] = (0.0, 2.0)
+    clip_eps: float = 0.2  # PPO clip on pi_train/pi_old (GSPO: on the sequence ratio)
+    tis_interval: tuple[float, float] = (0.0, 2.0)  # the interval of the rollout correction
     checkpoint_every: int = 5
     keep_weight_versions: int = 3
+    # where the policy trains: one process, FSDP2 data parallel, or Megatron-core tensor parallel
+    # (the last two under torchrun: consumers/backends, launch)
+    backend: Literal["local", "fsdp2", "megatron"] = "local"
+    # consumers/estimators.py; ppo needs a value head, kl_coef a reference policy: not run by the trainer yet
+    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"] = "grpo"
+    group_std_normalize: bool = True  # grpo/gspo: divide by the group's std (False: only centre)
+    whiten_advantages: bool = False  # masked whitening over the batch, after any estimator
+    gamma: float = 1.0  # discount of the token-level returns (REINFORCE++, PPO)
+    lam: float = 1.0  # GAE lambda (PPO)
+    kl_coef: float = 0.0  # per-token KL penalty against the reference policy in the rewards
+    # pi_train/pi_rollout: tis clamps the weight to tis_interval, clip_or_pop zeroes the tokens outside
+    correction: Literal["tis", "clip_or_pop", "none"] = "tis"
+    value_clip: float = 0.2  # PPO value loss: V stays within value_clip of the old value
+    value_coef: float = 0.5  # weight of the value loss next to the policy loss
+    objective: Literal["policy", "supervised"] = "policy"
+    loss: str | None = None  # import path: fn(LossInput) -> LossOutput, replaces the objective
 
 
 class RunConfig(Section):
@@ -102,6 +118,7 @@ class RunConfig(Section):
     archive: bool = True  # write every topic to RUN_DIR/archive (the durable log of the embedded broker)
     prometheus_port: int | None = 0  # milestream run's metrics endpoint: 0 picks a free port, None: none
     max_wall_s: float = 840.0  # a time budget: the run stops at trainer.steps or here, whichever comes first
+    max_restarts: int = 3  # milestream run starts a stage that died again, this many times at most
 
 
 class Config(Section):
@@ -119,6 +136,10 @@ class Config(Section):
         low, high = self.trainer.tis_interval
         if not 0 <= low <= 1 <= high:
             raise ValueError(f"trainer.tis_interval {self.trainer.tis_interval} must contain 1")
+        if self.trainer.advantage_estimator == "ppo":
+            raise ValueError("trainer.advantage_estimator 'ppo' needs a value head; the trainer has none yet")
+        if self.trainer.kl_coef:
+            raise ValueError("trainer.kl_coef needs a reference policy, which the trainer does not run yet")
         if self.buffer_capacity < self.trainer.batch_groups:
             raise ValueError("buffer capacity must hold at least one training batch")
         if self.rollout.refill == "group" and self.rollout.max_inflight_samples < self.rollout.group_size:

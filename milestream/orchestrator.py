@@ -6,6 +6,12 @@
     when the trainer finishes: stop everything, write summary.json and the plot
     (an archiver, started first and stopped last, keeps every topic on disk; a run started again
     on the same run folder resumes from that archive)
+
+Supervision: a stage that dies (a crash, an OOM kill, a SIGKILL) is started again, up to
+``run.max_restarts`` times each; the log is what makes that safe (the processor rebuilds its partial
+groups, the trainer resumes from its checkpoint, rollout re-reads uncommitted prompts). If the
+embedded broker dies, every stage stops, a new broker comes up on the same port, the archive is
+republished into it, and the stages start again.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from pathlib import Path
 from milestream.config import Config
 from milestream.consumers.report import write_report
 from milestream.infra.kafka import Admin, RecordConsumer
-from milestream.infra.services import die_with_parent, free_port, services, terminate
+from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.schemas import topics
 from milestream.schemas.records import Dropped, Metrics
 from milestream.streams.credit import Credit
@@ -31,10 +37,18 @@ class Child:
 
     def __init__(self, name: str, command: list[str], config_path: Path, log_dir: Path):
         self.name = name
+        self.argv = [sys.executable, "-m", "milestream.cli", *command, "--config", str(config_path)]
         self.log_path = log_dir / f"{name}.log"
-        with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "milestream.cli", *command, "--config", str(config_path)],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        self.lives = 0
+        self.start()
+
+    def start(self) -> None:
+        """Start (again): every life appends to the stage's one log."""
+        self.lives += 1
+        with open(self.log_path, "a") as out:
+            out.write(f"==== life {self.lives}\n")
+            out.flush()
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          preexec_fn=die_with_parent)
 
     def stop(self, grace: float = 20.0) -> None:
@@ -71,38 +85,64 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
     return children + [trainer], trainer
 
 
-def follow(cfg: Config, children: list[Child], trainer: Child, started: float) -> tuple[list[Metrics], list[Dropped], str]:
-    """Print trainer steps as they land; returns what the topics said once the trainer is done, and why it ended."""
-    metrics = RecordConsumer(cfg.broker, topics.METRICS, "run-monitor").assign(partitions=[0])
-    drops = RecordConsumer(cfg.broker, topics.DROPPED, "run-monitor").assign(partitions=range(cfg.broker.partitions))
-    steps: list[Metrics] = []
-    dropped: list[Dropped] = []
+class BrokerLost(RuntimeError):
+    """The embedded broker died under the run."""
+
+
+class Monitor:
+    """What the topics say about the run: trainer steps (the latest record per step) and drops."""
+
+    def __init__(self, cfg: Config, printed: set[int], started: float):
+        self.cfg, self.printed, self.started = cfg, printed, started
+        self.steps: dict[int, Metrics] = {}
+        self.dropped: dict[str, Dropped] = {}
+        self.metrics = RecordConsumer(cfg.broker, topics.METRICS, "run-monitor").assign(partitions=[0])
+        self.drops = RecordConsumer(cfg.broker, topics.DROPPED, "run-monitor").assign(
+            partitions=range(cfg.broker.partitions))
+
+    def poll(self, drain: bool = False) -> None:
+        """Take what arrived (everything there is, with ``drain``), printing each trainer step once."""
+        drops = self.drops.drain(0.5, 10.0) if drain else self.drops.drain(0.05, 1.0)
+        self.dropped.update((r.group_id, r) for d in drops for r in d.records)
+        deliveries = self.metrics.drain(0.5, 10.0) if drain else [d for d in [self.metrics.poll(0.5)] if d]
+        for record in (r for d in deliveries for r in d.records if r.source == "trainer"):
+            self.steps[record.step] = record  # a restarted trainer redoes the steps after its checkpoint
+            if record.step not in self.printed:
+                self.printed.add(record.step)
+                print_step(self.cfg, record, list(self.dropped.values()), time.monotonic() - self.started)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.drops.close()
+
+
+def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child) -> None:
+    """Start again each stage that died; raise when one died too often, or BrokerLost."""
+    if live.broker_lost():
+        raise BrokerLost(f"the embedded broker exited with {live.broker.proc.returncode}")
+    for child in children:
+        code = child.proc.poll()
+        if code is None or (child is trainer and code == 0):
+            continue
+        if child.lives > cfg.run.max_restarts:
+            raise RuntimeError(f"stage {child.name} exited with {code}, {child.lives} lives, more than "
+                               f"run.max_restarts ({cfg.run.max_restarts}):\n{child.tail()}")
+        print(f"stage {child.name} exited with {code}; starting it again (life {child.lives + 1})", flush=True)
+        child.start()
+
+
+def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, monitor: Monitor) -> str:
+    """Watch until the trainer finishes, restarting stages that die; returns why the run ended."""
     stopped_by = "steps"
-
-    def take(deliveries) -> None:
-        for record in (r for d in deliveries for r in d.records):
-            if record.source == "trainer":
-                steps.append(record)
-                print_step(cfg, record, dropped, time.monotonic() - started)
-
-    while trainer.proc.poll() is None:
-        dropped += [r for d in drops.drain(0.05, 1.0) for r in d.records]
-        delivery = metrics.poll(0.5)
-        take([delivery] if delivery else [])
-        for child in children:
-            if child.proc.poll() is not None and child is not trainer:
-                raise RuntimeError(f"stage {child.name} exited with {child.proc.returncode}:\n{child.tail()}")
-        if stopped_by == "steps" and time.monotonic() - started > cfg.run.max_wall_s:
+    while (code := trainer.proc.poll()) != 0 and not (code is not None and stopped_by == "wall_budget"):
+        monitor.poll()
+        supervise(cfg, live, children, trainer)
+        if stopped_by == "steps" and time.monotonic() - monitor.started > cfg.run.max_wall_s:
             print(f"run.max_wall_s ({cfg.run.max_wall_s:.0f}s) reached: the trainer finishes its step and stops", flush=True)
             trainer.proc.terminate()
             stopped_by = "wall_budget"
-    if trainer.proc.returncode != 0:
-        raise RuntimeError(f"the trainer exited with {trainer.proc.returncode}:\n{trainer.tail()}")
-    dropped += [r for d in drops.drain(0.5, 10.0) for r in d.records]  # it flushed everything before exiting
-    take(metrics.drain(0.5, 10.0))
-    metrics.close()
-    drops.close()
-    return steps, dropped, stopped_by
+    monitor.poll(drain=True)  # the trainer flushed everything before exiting
+    return stopped_by
 
 
 def print_step(cfg: Config, record: Metrics, dropped: list[Dropped], elapsed: float) -> None:
@@ -128,18 +168,30 @@ def run_loop(cfg: Config) -> dict:
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    with services(cfg) as live:
+    printed: set[int] = set()
+    with embedded(cfg) as live:
         config_path = run_dir / "config.yaml"
-        config_path.write_text(live.to_yaml())
+        config_path.write_text(live.cfg.to_yaml())
         if cfg.run.archive and not cfg.broker.bootstrap_servers and (run_dir / "archive" / "manifest.json").exists():
-            resume_from_archive(live, run_dir)
-        children, trainer = start_stages(live, config_path, log_dir)
-        try:
-            steps, dropped, stopped_by = follow(live, children, trainer, started)
-        finally:
-            for child in reversed(children):
-                child.stop(grace=120.0 if child is trainer else 20.0)
-        summary = write_report(run_dir, steps, dropped, time.monotonic() - started, stopped_by=stopped_by)
+            resume_from_archive(live.cfg, run_dir)
+        while True:
+            children, trainer = start_stages(live.cfg, config_path, log_dir)
+            monitor = Monitor(live.cfg, printed, started)
+            try:
+                stopped_by = follow(live.cfg, live, children, trainer, monitor)
+                break
+            except BrokerLost as lost:
+                if not cfg.run.archive:
+                    raise RuntimeError(f"{lost}, and run.archive is off: nothing to resume from") from None
+                print(f"{lost}: stopping the stages, resuming from the archive on a new broker", flush=True)
+            finally:
+                monitor.close()
+                for child in reversed(children):
+                    child.stop(grace=120.0 if child is trainer else 20.0)
+            live.restart_broker()
+            resume_from_archive(live.cfg, run_dir)
+        summary = write_report(run_dir, list(monitor.steps.values()), list(monitor.dropped.values()),
+                               time.monotonic() - started, stopped_by=stopped_by)
     print(f"summary: {summary}")
     print(f"wrote {run_dir / 'summary.json'} and {run_dir / 'reward_staleness.png'}")
     return summary

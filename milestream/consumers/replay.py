@@ -234,6 +234,7 @@ def derive_accounting(cfg: Config, run_dir: str | Path, rollout_offsets: dict[in
     entered = {r["group_id"] for *_, r in _rows(run_dir, topics.TRAJECTORIES, ["group_id"])}
     emitted = _group_rows(run_dir)
     left = {r["group_id"] for *_, r in emitted} | {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
+    left |= trainer_seen  # taken or dropped by the trainer, though the crash may have lost its buffer.groups record
     to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in emitted
                   if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}
     unread = {g for g, (p, o) in prompt_at.items() if o >= rollout_offsets.get(p, 0)}
@@ -260,6 +261,7 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
     rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
     rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
     credit = Credit(cfg)
+    unsettled = rewind_processor(cfg, run_dir, restored, state.seen_groups)
     accounting = derive_accounting(cfg, run_dir, rollout_offsets, state.offsets, state.seen_groups,
                                    credit.prompts_published())
     with credit.client.pipeline(transaction=True) as tx:
@@ -268,9 +270,57 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
         if accounting.queued:
             tx.hset(credit.queued_key, mapping=accounting.queued)
         tx.set(credit.admitted_key, accounting.prompts_admitted)
+        if unsettled:
+            tx.hdel(credit.group_states_key, *unsettled)
         tx.execute()
-    log.info("reconciled the buffer: %s", accounting)
+    log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", accounting,
+             len(unsettled))
+    if accounting.credit < 0:
+        log.warning("more groups hold a credit (%d) than the buffer's capacity (%d): rollout waits until they leave",
+                    accounting.held, cfg.buffer_capacity)
     return accounting
+
+
+def rewind_processor(cfg: Config, run_dir: Path, restored: dict[str, dict[str, dict[int, int]]],
+                     trainer_seen: set[str]) -> list[str]:
+    """After a broker crash, make the processor redo every group whose outcome the archive lacks.
+
+    The processor may have settled a group, and committed past its records, whose buffer.groups or
+    buffer.dropped record the archiver had not yet written when the broker died. Such a group is
+    forgotten as settled, and the processor's committed offset of each source partition moves back
+    to the oldest record of any group without an archived outcome, so it is read and emitted again.
+    After a planned restart nothing moves: those records all lie past the committed offsets.
+    Returns the group ids forgotten as settled.
+    """
+    from milestream.streams.processor import app_id
+
+    run_dir = Path(run_dir)
+    left = {r["group_id"] for *_, r in _group_rows(run_dir)} | trainer_seen  # the trainer saw what it took
+    left |= {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
+    group = app_id(cfg)
+    committed = restored.get(group, {})
+    rewound: list[TopicPartition] = []
+    entered: set[str] = set()
+    for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING):
+        oldest: dict[int, int] = {}
+        for partition, offset, row in _rows(run_dir, spec, ["group_id"]):
+            entered.add(row["group_id"])
+            if row["group_id"] not in left:
+                oldest[partition] = min(offset, oldest.get(partition, offset))
+        for partition, offset in oldest.items():
+            if offset < committed.get(spec.name, {}).get(partition, 0):
+                rewound.append(TopicPartition(cfg.broker.topic_prefix + spec.name, partition, offset))
+                committed.setdefault(spec.name, {})[partition] = offset
+    if rewound:
+        log.warning("the processor's committed offsets move back to %s: groups without an archived outcome", rewound)
+        consumer = Consumer(client_config(cfg.broker, **{"group.id": group, "enable.auto.commit": "false"}))
+        try:
+            consumer.commit(offsets=rewound, asynchronous=False)
+        finally:
+            consumer.close()
+    credit = Credit(cfg)
+    states = credit.client.hkeys(credit.group_states_key)
+    return [g for g in (k.decode() for k in states) if g in entered and g not in left]
 
 
 def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple[Republished, Accounting]:

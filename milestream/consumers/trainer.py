@@ -2,7 +2,8 @@
 
   collect  batch_groups fresh groups; a stale one (current version - oldest token version >
            max_staleness) is dropped onto buffer.dropped instead, as Miles does at collection
-  step     GRPO advantages, PPO-clip loss with truncated importance sampling, AdamW
+  step     advantages (trainer.advantage_estimator), the loss of make_loss (default: PPO-clip with
+           truncated importance sampling), AdamW
   publish  the new weights on weights.versions, the step's figures on buffer.metrics
   persist  model + optimizer + RNG + consumed offsets, atomically, every checkpoint_every steps
 """
@@ -18,7 +19,8 @@ import torch
 from milestream.config import Config
 from milestream.consumers import checkpoint
 from milestream.consumers.logprobs import pad, shared_prompt_logprobs
-from milestream.consumers.objectives import grpo_advantages, policy_loss
+from milestream.consumers.estimators import AdvantageInputs, advantage_options, compute_advantages
+from milestream.consumers.losses import LossInput, make_loss
 from milestream.consumers.collector import GroupCollector
 from milestream.infra.kafka import Admin, RecordProducer
 from milestream.infra.model import (compute_dtype, configure_process, load_model, load_trainable_state_dict,
@@ -90,40 +92,45 @@ class Trainer:
         """One optimizer step over the batch, one forward/backward per group (its prompt run once)."""
         samples = [s for g in batch for s in g.samples]
         total_tokens = sum(sum(s.loss_mask) for s in samples)
+        sizes = [len(g.samples) for g in batch]
+        inputs = AdvantageInputs(torch.tensor([s.reward for s in samples]),
+                                 torch.arange(len(batch)).repeat_interleave(torch.tensor(sizes)),
+                                 pad([s.loss_mask for s in samples]))
+        advantages = compute_advantages(self.cfg.trainer.advantage_estimator, inputs,
+                                        advantage_options(self.cfg.trainer)).advantages
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for group in batch:
-            for key, value in self._group_backward(group.samples, total_tokens).items():
+        for group, group_advantages in zip(batch, advantages.split(sizes)):
+            for key, value in self._group_backward(group.samples, group_advantages, total_tokens).items():
                 totals[key] = totals.get(key, 0.0) + value
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.max_grad_norm))
         self.optimizer.step()
         rewards = [s.reward for s in samples]
-        tokens = max(totals["tokens"], 1.0)
+        tokens = max(totals.pop("tokens"), 1.0)
+        loss = totals.pop("loss")
         return {
-            "loss": totals["loss"], "grad_norm": grad_norm, "reward_mean": sum(rewards) / len(rewards),
-            "tis_weight_mean": totals["tis_weight_sum"] / tokens, "tis_clipped_frac": totals["tis_clipped"] / tokens,
-            "logprob_diff": totals["logprob_diff_sum"] / tokens, "kl_rollout_train": totals["kl_sum"] / tokens,
+            "loss": loss, "grad_norm": grad_norm, "reward_mean": sum(rewards) / len(rewards),
+            **{name: total / tokens for name, total in totals.items()},  # the loss's figures, per token
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
 
-    def _group_backward(self, samples: list[GroupSample], total_tokens: int) -> dict[str, float]:
+    def _group_backward(self, samples: list[GroupSample], advantages: torch.Tensor,
+                        total_tokens: int) -> dict[str, float]:
         """Accumulate the group's share of the batch loss (averaged over all tokens of the batch)."""
-        advantages = grpo_advantages(torch.tensor([s.reward for s in samples]))
+        loss_fn = make_loss(self.cfg.trainer)
         totals: dict[str, float] = {}
         for prompt_ids, rows in _by_prompt(samples):  # one group shares one prompt; multi-turn may not
             mask = pad([s.loss_mask for s in rows])
             rollout_logp = pad([s.logprobs for s in rows])
-            adv = advantages[[s.sample_index for s in rows]].view(-1, 1).expand_as(mask)
+            adv = advantages[[s.sample_index for s in rows], :mask.shape[1]]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
                 logp = shared_prompt_logprobs(self.model, prompt_ids, [s.response_ids for s in rows],
                                               self.cfg.rollout.temperature)
-            terms = policy_loss(logp, rollout_logp, adv, mask, self.cfg.trainer.clip_eps, self.cfg.trainer.tis_interval)
-            loss = terms.loss_sum / max(total_tokens, 1)
+            out = loss_fn(LossInput(logp, logp.detach(), rollout_logp, adv, mask))  # one step a batch: pi_old = pi
+            loss = out.loss_sum / max(total_tokens, 1)
             loss.backward()
-            for key, value in {"loss": loss.item(), "tis_weight_sum": terms.tis_weight_sum,
-                               "tis_clipped": terms.tis_clipped, "logprob_diff_sum": terms.logprob_diff_sum,
-                               "kl_sum": terms.kl_sum, "tokens": terms.tokens}.items():
+            for key, value in {**out.figures, "loss": loss.item(), "tokens": out.tokens}.items():
                 totals[key] = totals.get(key, 0.0) + value
         return totals
 
@@ -133,7 +140,8 @@ class Trainer:
 
     def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
         lags = [g.staleness for g in batch]
-        values = {**figures, "version": float(self.state.version), "queue_size": float(self.collector.credit.queued()),
+        values = {**figures, "version": float(self.state.version),
+                  **self.collector.credit.queue_figures(self.state.version),
                   "credit_available": float(self.collector.credit.available()),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
                   **self.collector.pool_figures(self.state.version)}

@@ -153,22 +153,58 @@ def _port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+class Services:
+    """The services a run uses: the configuration pointing at them, and the ones started here."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.broker: EmbeddedBroker | None = None
+        self.redis: EmbeddedRedis | None = None
+
+    def start(self) -> "Services":
+        if not self.cfg.broker.bootstrap_servers:
+            self.broker = EmbeddedBroker().start()
+            self.cfg = self.cfg.with_overrides(broker={"bootstrap_servers": self.broker.bootstrap_servers})
+        if not self.cfg.redis.url:
+            self.redis = EmbeddedRedis().start()
+            self.cfg = self.cfg.with_overrides(redis={"url": self.redis.url})
+        return self
+
+    def broker_lost(self) -> bool:
+        """Whether the embedded broker died (an external one is the operator's to watch)."""
+        return self.broker is not None and self.broker.proc.poll() is not None
+
+    def restart_broker(self) -> None:
+        """A fresh, empty embedded broker on the same port, so every stage's configuration stays valid."""
+        lost = self.broker
+        log.warning("the embedded broker exited (%s); starting a new one on port %d", lost.proc.poll(), lost.port)
+        lost.stop()
+        self.broker = EmbeddedBroker()
+        self.broker.port = lost.port
+        self.broker.start()
+        with contextlib.suppress(OSError):
+            os.unlink(lost.logfile.name)
+
+    def stop(self) -> None:
+        for service in (self.redis, self.broker):
+            if service is not None:
+                service.stop()
+                with contextlib.suppress(OSError):
+                    os.unlink(service.logfile.name)
+
+
+@contextlib.contextmanager
+def embedded(cfg: Config) -> Iterator[Services]:
+    """Start what the configuration does not point at; stop it on the way out."""
+    live = Services(cfg)
+    try:
+        yield live.start()
+    finally:
+        live.stop()
+
+
 @contextlib.contextmanager
 def services(cfg: Config) -> Iterator[Config]:
     """Start what the configuration does not point at; yields the configuration that points at both."""
-    started: list[_Service] = []
-    try:
-        if not cfg.broker.bootstrap_servers:
-            broker = EmbeddedBroker().start()
-            started.append(broker)
-            cfg = cfg.with_overrides(broker={"bootstrap_servers": broker.bootstrap_servers})
-        if not cfg.redis.url:
-            server = EmbeddedRedis().start()
-            started.append(server)
-            cfg = cfg.with_overrides(redis={"url": server.url})
-        yield cfg
-    finally:
-        for service in reversed(started):
-            service.stop()
-            with contextlib.suppress(OSError):
-                os.unlink(service.logfile.name)
+    with embedded(cfg) as live:
+        yield live.cfg

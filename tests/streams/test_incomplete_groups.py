@@ -44,6 +44,6 @@ def test_group_incomplete_after_the_window_is_dropped_with_its_reason(cfg, tmp_p
 
     (record,) = dropped
     assert (record.group_id, record.reason, record.dropped_by) == ("partial#0", "incomplete", "processor")
-    assert record.detail == f"{GROUP_SIZE - 1}/{GROUP_SIZE} trajectories, {GROUP_SIZE} log-probs"
+    assert record.detail == f"{GROUP_SIZE - 1}/{GROUP_SIZE} trajectories, {GROUP_SIZE} log-probs, 0 routing chunks"
     assert record.num_samples == GROUP_SIZE - 1
     assert emitted == ["whole#0"]

@@ -1,0 +1,135 @@
+"""``milestream run`` under crashes: the stream processor SIGKILLed at several points while the whole
+loop runs, then the embedded broker SIGKILLed (not a planned stop: the archive may miss its last
+records). The run supervises both, finishes its steps, and its log shows every group that entered
+trained or dropped exactly once (after de-duplication by group id), or still waiting in the buffer.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from milestream.config import load_config
+from milestream.consumers import checkpoint
+from milestream.consumers.archive import read_topic
+from milestream.infra.kafka import RecordConsumer
+from milestream.orchestrator import run_loop
+from milestream.schemas import topics
+from milestream.schemas.codec import Position, decode
+
+PROCESSOR_KILLS_AT_GROUPS = (2, 5, 8)  # SIGKILL the processor once this many groups have been emitted
+
+
+def pids(*words: str) -> list[int]:
+    """Processes whose command line holds every word as a whole argument."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if all(word in argv for word in words):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for(condition, timeout_s: float, what: str, runner: threading.Thread) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if not runner.is_alive():
+            raise AssertionError(f"the run ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.3)
+
+
+class EmittedGroups:
+    """The group ids on buffer.groups so far, read as they come."""
+
+    def __init__(self, cfg):
+        self.reader = RecordConsumer(cfg.broker, topics.GROUPS, f"audit-{time.time()}").assign(
+            partitions=range(cfg.broker.partitions))
+        self.ids: set[str] = set()
+
+    def count(self) -> int:
+        self.ids.update(d.records[0].group_id for d in self.reader.drain(idle_s=0.2, max_wait_s=5.0))
+        return len(self.ids)
+
+
+def archived(run_dir: Path, spec) -> list:
+    return [record for row in read_topic(run_dir, spec.name).to_pylist()
+            for record in decode(row["value"], spec.record, Position(spec.name, row["partition"], row["offset"]))]
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_run_survives_processor_kills_and_a_broker_crash(cfg):
+    cfg = cfg.with_overrides(broker={"bootstrap_servers": None},  # its own embedded broker, to crash
+                             trainer={"steps": 8, "checkpoint_every": 1},
+                             buffer={"incomplete_after_s": 20.0},
+                             run={"max_wall_s": 400, "max_restarts": 5})
+    run_dir = Path(cfg.run.run_dir)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["summary"] = run_loop(cfg)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    config_path = run_dir / "config.yaml"
+    try:
+        wait_for(config_path.exists, 120, "the run's configuration", runner)
+        live = load_config(config_path)
+        stage = ("milestream.cli", "process", str(config_path))
+        emitted_so_far = EmittedGroups(live)
+        for groups in PROCESSOR_KILLS_AT_GROUPS:
+            wait_for(lambda: emitted_so_far.count() >= groups and pids(*stage), 300, f"{groups} groups emitted", runner)
+            victim = pids(*stage)[0]
+            kill(victim)
+            wait_for(lambda: [p for p in pids(*stage) if p != victim], 60, "the processor started again", runner)
+        wait_for(lambda: (checkpoint.load_latest(run_dir) or {"state": {"step": 0}})["state"]["step"] >= 3, 300,
+                 "three trainer steps", runner)
+        emitted_so_far.reader.close()
+        port = live.broker.bootstrap_servers.rsplit(":", 1)[1]
+        kill(pids("broker", f"tcp://127.0.0.1:{port}")[0])
+        runner.join(600)
+    finally:
+        for log in sorted((run_dir / "logs").glob("*.log")) if "summary" not in outcome else ():
+            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["summary"]["steps"] == cfg.trainer.steps
+
+    processor_log = (run_dir / "logs" / "processor.log").read_text()
+    # three kills restarted by supervision, then one more life after the broker came back
+    assert processor_log.count("==== life") >= len(PROCESSOR_KILLS_AT_GROUPS) + 2
+
+    # the durable log of the whole run, both brokers, as the archive holds it
+    steps: dict[int, list[str]] = {}
+    for m in archived(run_dir, topics.METRICS):
+        if m.source == "trainer":
+            steps[m.step] = m.group_ids  # a resumed trainer redoes the steps after its checkpoint
+    assert sorted(steps) == list(range(1, cfg.trainer.steps + 1))
+    trained = collections.Counter(g for ids in steps.values() for g in ids)
+    assert all(n == 1 for n in trained.values()), "a group trained twice"
+    dropped = {d.group_id: d.reason for d in archived(run_dir, topics.DROPPED)}
+    assert not trained.keys() & dropped.keys()
+    emitted = {s.group_id for s in archived(run_dir, topics.GROUPS)}
+    samples = collections.defaultdict(set)  # a prompt admitted again after the crash is generated again
+    for t in archived(run_dir, topics.TRAJECTORIES):
+        samples[t.group_id].add(t.sample_index)
+    complete = {g for g, indices in samples.items() if len(indices) == cfg.rollout.group_size}
+    # every complete group was trained, dropped with a reason, or waits on buffer.groups
+    assert complete <= trained.keys() | dropped.keys() | emitted
+    assert trained.keys() <= emitted
+    print(f"{len(complete)} complete groups: {len(trained)} trained, {len(dropped)} dropped "
+          f"{collections.Counter(dropped.values())}, {len(emitted - trained.keys() - dropped.keys())} left buffered")
