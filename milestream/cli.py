@@ -61,9 +61,13 @@ def _process(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _train(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.trainer import run_trainer
+    from milestream.consumers.backends import launch
 
-    run_trainer(cfg)
+    # local: in this process; fsdp2 / megatron: trainer.ranks processes under torchrun, which passes
+    # a SIGTERM on to them (raised here as SystemExit, so launch stops torchrun instead of orphaning it)
+    if cfg.trainer.backend != "local":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    launch(cfg, "milestream.consumers.trainer:run_trainer", nproc=cfg.trainer.ranks)
     return 0
 
 
@@ -117,6 +121,13 @@ def _replay(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.consumers import replay
 
     run_dir = cfg.run.run_dir
+    if args.step is not None:
+        from milestream.consumers.step_replay import replay_step
+
+        result = replay_step(cfg, run_dir, args.step)
+        print(json.dumps({"step": result.step, "from_checkpoint": result.from_checkpoint, "logged": result.logged,
+                          "replayed": result.replayed, "bitwise_equal": result.bitwise_equal}))
+        return 0 if result.bitwise_equal else 1
     if args.resume:
         report, accounting = replay.resume(cfg, run_dir, prefix=args.topic_prefix)
         print(f"reconciled the buffer: {accounting}")
@@ -139,7 +150,8 @@ COMMANDS = {
     "metrics": (_metrics, "serve every figure on buffer.metrics as a Prometheus endpoint"),
     "topics": (_topics, "create or list the topics"),
     "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),
-    "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker"),
+    "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker; "
+                        "--step N: recompute a trainer step and compare"),
 }
 
 
@@ -172,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                                  help="--republish, then reconcile the buffer's credit in Redis so the run can go on")
             command.add_argument("--topic-prefix", help="republish under this prefix (default: the archived one)")
             command.add_argument("--no-groups", action="store_true", help="do not restore consumer-group offsets")
+            command.add_argument("--step", type=int, help="recompute this trainer step from the archived log and the "
+                                 "checkpoint before it; compare loss and grad norm bit for bit with the logged ones")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     for noisy in ("aiokafka", "faust", "mode", "httpx", "urllib3"):

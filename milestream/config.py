@@ -98,6 +98,8 @@ class TrainerConfig(Section):
     # where the policy trains: one process, FSDP2 data parallel, or Megatron-core tensor parallel
     # (the last two under torchrun: consumers/backends, launch)
     backend: Literal["local", "fsdp2", "megatron"] = "local"
+    ranks: int = 2  # processes of the fsdp2 (data parallel) or megatron (tensor parallel) backend
+    keep_checkpoints: int = 2  # the newest checkpoints kept (replay --step N needs one before step N)
     # consumers/estimators.py; ppo needs a value head, kl_coef a reference policy: not run by the trainer yet
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"] = "grpo"
     group_std_normalize: bool = True  # grpo/gspo: divide by the group's std (False: only centre)

@@ -1,41 +1,28 @@
 """``milestream run`` under crashes: the stream processor SIGKILLed at several points while the whole
 loop runs, then the embedded broker SIGKILLed (not a planned stop: the archive may miss its last
-records). The run supervises both, finishes its steps, and its log shows every group that entered
-trained or dropped exactly once (after de-duplication by group id), or still waiting in the buffer.
+records); in another run the trainer SIGKILLed at random points, ten times. The run supervises them
+all, finishes its steps, and its log shows every group that entered trained or dropped exactly once
+(after de-duplication by group id), or still waiting in the buffer.
 """
 from __future__ import annotations
 
 import collections
-import os
-import signal
+import random
 import threading
 import time
 from pathlib import Path
 
 from milestream.config import load_config
+from milestream.infra.chaos import pids, sigkill, stage_pids
 from milestream.consumers import checkpoint
 from milestream.consumers.archive import read_topic
+from milestream.consumers.audit import audit_run
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, decode
 
 PROCESSOR_KILLS_AT_GROUPS = (2, 5, 8)  # SIGKILL the processor once this many groups have been emitted
-
-
-def pids(*words: str) -> list[int]:
-    """Processes whose command line holds every word as a whole argument."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if all(word in argv for word in words):
-            found.append(int(entry.name))
-    return found
 
 
 def wait_for(condition, timeout_s: float, what: str, runner: threading.Thread) -> None:
@@ -66,16 +53,8 @@ def archived(run_dir: Path, spec) -> list:
             for record in decode(row["value"], spec.record, Position(spec.name, row["partition"], row["offset"]))]
 
 
-def kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-
-
-def test_run_survives_processor_kills_and_a_broker_crash(cfg):
-    cfg = cfg.with_overrides(broker={"bootstrap_servers": None},  # its own embedded broker, to crash
-                             trainer={"steps": 8, "checkpoint_every": 1},
-                             buffer={"incomplete_after_s": 20.0},
-                             run={"max_wall_s": 400, "max_restarts": 5})
-    run_dir = Path(cfg.run.run_dir)
+def start_run(cfg) -> tuple[threading.Thread, dict]:
+    """``run_loop`` in a thread; the outcome dict gets its summary, or the error it raised."""
     outcome: dict = {}
 
     def run() -> None:
@@ -86,26 +65,40 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg):
 
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
+    return runner, outcome
+
+
+def print_logs_unless_done(run_dir: Path, outcome: dict) -> None:
+    for log in sorted((run_dir / "logs").glob("*.log")) if "summary" not in outcome else ():
+        print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+
+
+def test_run_survives_processor_kills_and_a_broker_crash(cfg):
+    cfg = cfg.with_overrides(broker={"bootstrap_servers": None},  # its own embedded broker, to crash
+                             trainer={"steps": 8, "checkpoint_every": 1},
+                             buffer={"incomplete_after_s": 20.0},
+                             run={"max_wall_s": 400, "max_restarts": 5})
+    run_dir = Path(cfg.run.run_dir)
+    runner, outcome = start_run(cfg)
     config_path = run_dir / "config.yaml"
     try:
         wait_for(config_path.exists, 120, "the run's configuration", runner)
         live = load_config(config_path)
-        stage = ("milestream.cli", "process", str(config_path))
         emitted_so_far = EmittedGroups(live)
         for groups in PROCESSOR_KILLS_AT_GROUPS:
-            wait_for(lambda: emitted_so_far.count() >= groups and pids(*stage), 300, f"{groups} groups emitted", runner)
-            victim = pids(*stage)[0]
-            kill(victim)
-            wait_for(lambda: [p for p in pids(*stage) if p != victim], 60, "the processor started again", runner)
-        wait_for(lambda: (checkpoint.load_latest(run_dir) or {"state": {"step": 0}})["state"]["step"] >= 3, 300,
-                 "three trainer steps", runner)
+            wait_for(lambda: emitted_so_far.count() >= groups and stage_pids(config_path, "process"), 300,
+                     f"{groups} groups emitted", runner)
+            victim = stage_pids(config_path, "process")[0]
+            sigkill(victim)
+            wait_for(lambda: [p for p in stage_pids(config_path, "process") if p != victim], 60,
+                     "the processor started again", runner)
+        wait_for(lambda: checkpoint.latest_step(run_dir) >= 3, 300, "three trainer steps", runner)
         emitted_so_far.reader.close()
         port = live.broker.bootstrap_servers.rsplit(":", 1)[1]
-        kill(pids("broker", f"tcp://127.0.0.1:{port}")[0])
+        sigkill(pids("broker", f"tcp://127.0.0.1:{port}")[0])
         runner.join(600)
     finally:
-        for log in sorted((run_dir / "logs").glob("*.log")) if "summary" not in outcome else ():
-            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        print_logs_unless_done(run_dir, outcome)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["summary"]["steps"] == cfg.trainer.steps
 
@@ -133,3 +126,37 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg):
     assert trained.keys() <= emitted
     print(f"{len(complete)} complete groups: {len(trained)} trained, {len(dropped)} dropped "
           f"{collections.Counter(dropped.values())}, {len(emitted - trained.keys() - dropped.keys())} left buffered")
+
+
+TRAINER_KILLS = 10
+
+
+def test_trainer_killed_at_random_points_loses_no_group_and_trains_none_twice(cfg):
+    cfg = cfg.with_overrides(trainer={"steps": 2 * TRAINER_KILLS + 4, "checkpoint_every": 1},
+                             run={"max_wall_s": 600, "max_restarts": TRAINER_KILLS + 2})
+    run_dir = Path(cfg.run.run_dir)
+    rng = random.Random(3)
+    runner, outcome = start_run(cfg)
+    config_path = run_dir / "config.yaml"
+    try:
+        wait_for(config_path.exists, 120, "the run's configuration", runner)
+        for kill_number in range(TRAINER_KILLS):
+            progress = checkpoint.latest_step(run_dir)
+            # somewhere in a step, its publication, its checkpoint, or the start-up after a kill
+            wait_for(lambda: checkpoint.latest_step(run_dir) > progress and stage_pids(config_path, "train"), 300,
+                     f"trainer progress before kill {kill_number + 1}", runner)
+            time.sleep(rng.uniform(0.0, 0.5))
+            for pid in stage_pids(config_path, "train"):
+                sigkill(pid)
+        runner.join(600)
+    finally:
+        print_logs_unless_done(run_dir, outcome)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["summary"]["steps"] == cfg.trainer.steps
+    assert (run_dir / "logs" / "trainer.log").read_text().count("==== life") >= TRAINER_KILLS + 1
+
+    audit = audit_run(run_dir)
+    print(audit)
+    assert audit.steps == cfg.trainer.steps and not audit.missing_steps
+    assert audit.groups_lost == [] and audit.groups_duplicated == []
+    assert audit.groups_trained == cfg.trainer.steps * cfg.trainer.batch_groups

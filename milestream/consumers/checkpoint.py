@@ -26,16 +26,15 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save(run_dir: str | Path, state: TrainerState, model_tensors: dict[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer, keep: int = 2) -> Path:
+def save(run_dir: str | Path, state: TrainerState, learner_state: dict, keep: int = 2) -> Path:
+    """``learner_state``: the backend's state_dict (weights and optimizer state by parameter name)."""
     root = checkpoint_root(run_dir)
     final = root / f"step_{state.step:06d}"
     tmp = root / f".step_{state.step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     torch.save({
-        "model": {k: v.detach().clone() for k, v in model_tensors.items()},
-        "optimizer": optimizer.state_dict(),
+        "backend": learner_state,
         "state": {"step": state.step, "version": state.version, "offsets": dict(state.offsets),
                   "seen_groups": sorted(state.seen_groups)},
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -59,6 +58,12 @@ def load_latest(run_dir: str | Path) -> dict | None:
     if not pointer.exists():
         return None
     return torch.load(pointer.parent / pointer.read_text().strip() / "checkpoint.pt", weights_only=False)
+
+
+def latest_step(run_dir: str | Path) -> int:
+    """The step of the newest checkpoint (0: none yet)."""
+    pointer = checkpoint_root(run_dir) / "latest"
+    return int(pointer.read_text().strip().split("_")[1]) if pointer.exists() else 0
 
 
 def restore(payload: dict) -> TrainerState:

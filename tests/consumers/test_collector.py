@@ -6,6 +6,7 @@ from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.schemas import topics
 from milestream.schemas.records import GroupSample
 from milestream.streams.credit import Credit
+from milestream.streams.processor import Settlements
 
 
 def group(gid: str, version: int, size: int = 2) -> list[GroupSample]:
@@ -14,10 +15,15 @@ def group(gid: str, version: int, size: int = 2) -> list[GroupSample]:
 
 
 def publish(cfg, groups: dict[str, int]) -> RecordProducer:
+    """Emit the groups as the processor does: on buffer.groups, then settled (queued) in Redis."""
     producer = RecordProducer(cfg.broker)
+    settlements = Settlements(cfg)
     for gid, version in groups.items():
         producer.send(topics.GROUPS, group(gid, version), key=gid)
+        settlements.begin(gid)
     producer.flush()
+    for gid, version in groups.items():
+        settlements.settle(gid, "emitted", version)
     return producer
 
 
@@ -37,6 +43,7 @@ def test_fifo_takes_in_arrival_order_and_drops_stale_at_collection(cfg):
     (dropped,) = [r for d in drops.drain() for r in d.records]
     assert (dropped.group_id, dropped.reason, dropped.dropped_by) == ("a", "stale", "trainer")
     assert Credit(cfg).available() == cfg.buffer_capacity + 3  # nobody took credit here; 3 groups left
+    assert Credit(cfg).queued_versions() == [5]  # the one still pooled waits in the queue
     c.close()
 
 
