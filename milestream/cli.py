@@ -71,6 +71,13 @@ def _train(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.consumers.backends import launch
+
+    launch(cfg, "milestream.consumers.sft:run_sft", nproc=cfg.trainer.ranks)
+    return 0
+
+
 def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.producers.loader import feed_prompts, load_prompts
 
@@ -146,6 +153,7 @@ COMMANDS = {
     "rollout": (_rollout, "run a rollout worker (engine + async sampling)"),
     "process": (_process, "run the stream processor (faust worker)"),
     "train": (_train, "run the trainer"),
+    "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish task prompts on the prompts topic (--follow: keep feeding)"),
     "metrics": (_metrics, "serve every figure on buffer.metrics as a Prometheus endpoint"),
     "topics": (_topics, "create or list the topics"),

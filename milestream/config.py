@@ -53,6 +53,7 @@ class DataConfig(Section):
     system_prompt: str = "Answer inside <answer></answer> tags."
     assistant_prefill: str = "<answer>"
     format_reward: float = 0.1  # added when the answer tag is closed
+    sft_path: str | None = None  # milestream sft: a JSONL file of {"question", "answer"} (default: the task)
 
 
 class RolloutConfig(Section):
@@ -100,7 +101,7 @@ class TrainerConfig(Section):
     backend: Literal["local", "fsdp2", "megatron"] = "local"
     ranks: int = 2  # processes of the fsdp2 (data parallel) or megatron (tensor parallel) backend
     keep_checkpoints: int = 2  # the newest checkpoints kept (replay --step N needs one before step N)
-    # consumers/estimators.py; ppo needs a value head, kl_coef a reference policy: not run by the trainer yet
+    # consumers/estimators.py; ppo trains a value head, kl_coef runs a reference policy (backend local)
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"] = "grpo"
     group_std_normalize: bool = True  # grpo/gspo: divide by the group's std (False: only centre)
     whiten_advantages: bool = False  # masked whitening over the batch, after any estimator
@@ -138,10 +139,13 @@ class Config(Section):
         low, high = self.trainer.tis_interval
         if not 0 <= low <= 1 <= high:
             raise ValueError(f"trainer.tis_interval {self.trainer.tis_interval} must contain 1")
-        if self.trainer.advantage_estimator == "ppo":
-            raise ValueError("trainer.advantage_estimator 'ppo' needs a value head; the trainer has none yet")
-        if self.trainer.kl_coef:
-            raise ValueError("trainer.kl_coef needs a reference policy, which the trainer does not run yet")
+        if self.trainer.advantage_estimator == "ppo" and self.trainer.backend != "local":
+            raise ValueError("trainer.advantage_estimator 'ppo' trains its value head on trainer.backend=local only")
+        if self.trainer.kl_coef and self.trainer.advantage_estimator in ("grpo", "gspo"):
+            raise ValueError("trainer.kl_coef shapes the token rewards of reinforce_plus_plus, "
+                             "reinforce_plus_plus_baseline and ppo; grpo and gspo have none")
+        if self.trainer.kl_coef and self.trainer.backend != "local":
+            raise ValueError("trainer.kl_coef's reference policy runs on trainer.backend=local only")
         if self.buffer_capacity < self.trainer.batch_groups:
             raise ValueError("buffer capacity must hold at least one training batch")
         if self.rollout.refill == "group" and self.rollout.max_inflight_samples < self.rollout.group_size:

@@ -1,6 +1,7 @@
 """One training step on a batch of groups, whatever the backend: the trainer's arithmetic, free of Kafka.
 
-    advantages  trainer.advantage_estimator over the whole batch (consumers/estimators.py)
+    advantages  trainer.advantage_estimator over the whole batch (consumers/estimators.py); ppo's
+                GAE reads the value head's V before the step (a forward without gradient)
     loss        make_loss(trainer) per prompt of each group, divided by the batch's token count
     step        the backend's (local, FSDP2 or Megatron-core): backward, clip, AdamW
 
@@ -35,6 +36,8 @@ class PromptRows:
     prompt_ids: list[int]
     samples: list[GroupSample]
     advantages: torch.Tensor  # [len(samples), longest response]
+    returns: torch.Tensor | None = None  # ppo: the value targets, and V before the step
+    old_values: torch.Tensor | None = None
 
 
 class Learner:
@@ -42,6 +45,12 @@ class Learner:
         self.cfg = cfg
         self.backend = backend or make_backend(cfg)
         self.loss = make_loss(cfg.trainer)
+        self.with_values = cfg.trainer.advantage_estimator == "ppo"
+        if self.with_values and not hasattr(self.backend, "logprobs_and_values"):
+            raise ValueError(f"ppo's value head runs on trainer.backend=local, not {cfg.trainer.backend}")
+        self.with_reference = bool(cfg.trainer.kl_coef)
+        if self.with_reference and not hasattr(self.backend, "reference_logprobs"):
+            raise ValueError(f"trainer.kl_coef's reference policy runs on trainer.backend=local, not {cfg.trainer.backend}")
 
     def train_step(self, batch: Sequence[CollectedGroup]) -> dict[str, float]:
         """One optimizer step over the batch; the step's figures (loss and grad norm first)."""
@@ -50,12 +59,15 @@ class Learner:
         microbatches = self._microbatches(batch)
 
         def loss_fn(rows: PromptRows) -> tuple[torch.Tensor, dict[str, float]]:
-            logp = self.backend.logprobs(rows.prompt_ids, [s.response_ids for s in rows.samples],
-                                         self.cfg.rollout.temperature)
+            logp, values = self._forward(rows)
             mask = pad([s.loss_mask for s in rows.samples]).to(logp.device)
             rollout_logp = pad([s.logprobs for s in rows.samples]).to(logp.device)
-            advantages = rows.advantages[:, :mask.shape[1]].to(logp.device)
-            out = self.loss(LossInput(logp, logp.detach(), rollout_logp, advantages, mask))  # one step: pi_old = pi
+            width = mask.shape[1]
+            advantages = rows.advantages[:, :width].to(logp.device)
+            returns, old_values = ((t[:, :width].to(logp.device) if t is not None else None)
+                                   for t in (rows.returns, rows.old_values))
+            out = self.loss(LossInput(logp, logp.detach(), rollout_logp, advantages, mask,  # one step: pi_old = pi
+                                      returns=returns, values=values, old_values=old_values))
             return out.loss_sum / total_tokens, {**out.figures, "tokens": float(out.tokens)}
 
         result = self.backend.step(microbatches, loss_fn, self.cfg.trainer.max_grad_norm)
@@ -68,21 +80,44 @@ class Learner:
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
 
+    def _forward(self, rows: PromptRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        responses = [s.response_ids for s in rows.samples]
+        if self.with_values:
+            return self.backend.logprobs_and_values(rows.prompt_ids, responses, self.cfg.rollout.temperature)
+        return self.backend.logprobs(rows.prompt_ids, responses, self.cfg.rollout.temperature), None
+
     def _microbatches(self, batch: Sequence[CollectedGroup]) -> list[PromptRows]:
         """Advantages over the whole batch (some estimators whiten across it), cut per group and prompt."""
-        samples = [s for g in batch for s in g.samples]
-        sizes = [len(g.samples) for g in batch]
+        parts = [(prompt_ids, rows) for g in batch for prompt_ids, rows in by_prompt(g.samples)]
+        samples = [s for _, rows in parts for s in rows]
+        group_of = {id(s): i for i, g in enumerate(batch) for s in g.samples}
         inputs = AdvantageInputs(torch.tensor([s.reward for s in samples]),
-                                 torch.arange(len(batch)).repeat_interleave(torch.tensor(sizes)),
-                                 pad([s.loss_mask for s in samples]))
-        advantages = compute_advantages(self.cfg.trainer.advantage_estimator, inputs,
-                                        advantage_options(self.cfg.trainer)).advantages
-        microbatches = []
-        for group, group_advantages in zip(batch, advantages.split(sizes)):
-            index = {id(s): i for i, s in enumerate(group.samples)}
-            for prompt_ids, rows in by_prompt(group.samples):  # one group shares one prompt; multi-turn may not
-                microbatches.append(PromptRows(prompt_ids, rows, group_advantages[[index[id(s)] for s in rows]]))
-        return microbatches
+                                 torch.tensor([group_of[id(s)] for s in samples]),
+                                 pad([s.loss_mask for s in samples]),
+                                 # the KL penalty compares the policy that sampled with the reference
+                                 old_logp=pad([s.logprobs for s in samples]) if self.with_reference else None,
+                                 ref_logp=self._reference_logprobs(parts) if self.with_reference else None,
+                                 values=self._values_before_step(parts) if self.with_values else None)
+        result = compute_advantages(self.cfg.trainer.advantage_estimator, inputs, advantage_options(self.cfg.trainer))
+        sizes = [len(rows) for _, rows in parts]
+        split = lambda t: t.split(sizes) if t is not None else [None] * len(parts)  # noqa: E731
+        return [PromptRows(prompt_ids, rows, advantages, returns, old_values)
+                for (prompt_ids, rows), advantages, returns, old_values
+                in zip(parts, result.advantages.split(sizes), split(result.returns), split(inputs.values))]
+
+    def _reference_logprobs(self, parts: list[tuple[list[int], list[GroupSample]]]) -> torch.Tensor:
+        rows = [r for prompt_ids, samples in parts
+                for r in self.backend.reference_logprobs(prompt_ids, [s.response_ids for s in samples],
+                                                         self.cfg.rollout.temperature).cpu()]
+        return _stack_padded(rows)
+
+    def _values_before_step(self, parts: list[tuple[list[int], list[GroupSample]]]) -> torch.Tensor:
+        """V of every response token under the current value head, [samples, longest response]."""
+        with torch.no_grad():
+            rows = [v for prompt_ids, samples in parts
+                    for v in self.backend.logprobs_and_values(prompt_ids, [s.response_ids for s in samples],
+                                                              self.cfg.rollout.temperature)[1].cpu()]
+        return _stack_padded(rows)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.export_weights()
@@ -92,6 +127,12 @@ class Learner:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.backend.load_state_dict(state)
+
+
+def _stack_padded(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rows of per-group widths, right-padded with 0 to the longest: [len(rows), longest]."""
+    longest = max(row.shape[0] for row in rows)
+    return torch.stack([torch.nn.functional.pad(row, (0, longest - row.shape[0])) for row in rows])
 
 
 def by_prompt(samples: Sequence[GroupSample]) -> list[tuple[list[int], list[GroupSample]]]:

@@ -26,19 +26,30 @@ def pad(rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32
 def shared_prompt_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
                            temperature: float = 1.0) -> Tensor:
     """[G, T] log-prob of each response token (right-padded with 0) under ``model``."""
+    return shared_prompt_forward(model, prompt_ids, responses, temperature)[0]
+
+
+def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                          temperature: float = 1.0, hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The log-probs, and with ``hidden`` the last hidden state [G, T, H] that predicted each response
+    token (what a value head reads: the state before the token was chosen)."""
     prompt = torch.tensor([list(prompt_ids)])
-    first = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    first = model(input_ids=prompt, use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
     group = len(responses)
     tokens = pad(responses, dtype=torch.long)
     logits = first.logits[:, -1:].expand(group, 1, -1)  # predicts every response's first token
+    states = first.hidden_states[-1][:, -1:].expand(group, 1, -1) if hidden else None
     if tokens.shape[1] > 1:
         cache = first.past_key_values
         cache.batch_repeat_interleave(group)
         start = len(prompt_ids)
         positions = torch.arange(start, start + tokens.shape[1] - 1).expand(group, -1)
-        rest = model(input_ids=tokens[:, :-1], past_key_values=cache, position_ids=positions).logits
-        logits = torch.cat([logits, rest], dim=1)
-    return token_logprobs(logits / max(temperature, 1e-6), tokens)
+        rest = model(input_ids=tokens[:, :-1], past_key_values=cache, position_ids=positions,
+                     output_hidden_states=hidden)
+        logits = torch.cat([logits, rest.logits], dim=1)
+        if hidden:
+            states = torch.cat([states, rest.hidden_states[-1]], dim=1)
+    return token_logprobs(logits / max(temperature, 1e-6), tokens), states
 
 
 def plain_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],

@@ -118,7 +118,10 @@ def test_unknown_estimator_is_refused():
 def test_config_maps_to_options_and_refuses_what_the_trainer_cannot_run():
     cfg = TrainerConfig(advantage_estimator="reinforce_plus_plus", gamma=0.9, whiten_advantages=True)
     assert advantage_options(cfg) == AdvantageOptions(whiten=True, gamma=0.9)
-    with pytest.raises(ValueError, match="value head"):
-        Config(trainer={"advantage_estimator": "ppo"})
-    with pytest.raises(ValueError, match="reference policy"):
+    Config(trainer={"advantage_estimator": "ppo", "kl_coef": 0.1})  # value head and reference: local backend
+    with pytest.raises(ValueError, match="value head on trainer.backend=local"):
+        Config(trainer={"advantage_estimator": "ppo", "backend": "fsdp2"})
+    with pytest.raises(ValueError, match="grpo and gspo have none"):
         Config(trainer={"kl_coef": 0.1})
+    with pytest.raises(ValueError, match="reference policy runs on trainer.backend=local"):
+        Config(trainer={"advantage_estimator": "reinforce_plus_plus", "kl_coef": 0.1, "backend": "megatron"})
