@@ -43,7 +43,8 @@ def test_fifo_takes_in_arrival_order_and_drops_stale_at_collection(cfg):
     (dropped,) = [r for d in drops.drain() for r in d.records]
     assert (dropped.group_id, dropped.reason, dropped.dropped_by) == ("a", "stale", "trainer")
     assert Credit(cfg).available() == cfg.buffer_capacity + 3  # nobody took credit here; 3 groups left
-    assert Credit(cfg).queued_versions() == [5]  # the one still pooled waits in the queue
+    # the one still pooled waits in the queue (which one depends on how the partitions were read)
+    assert Credit(cfg).queued_versions() == [g.oldest_version for g in c.pool.values()]
     c.close()
 
 
