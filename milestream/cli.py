@@ -99,6 +99,13 @@ def _metrics(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.streams.weights.verify import WeightVerifier
+
+    WeightVerifier(cfg).run(stop_on_signals())
+    return 0
+
+
 def _topics(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.infra.kafka import Admin
     from milestream.infra.services import services
@@ -156,6 +163,7 @@ COMMANDS = {
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish task prompts on the prompts topic (--follow: keep feeding)"),
     "metrics": (_metrics, "serve every figure on buffer.metrics as a Prometheus endpoint"),
+    "verify-weights": (_verify_weights, "check every ack on weights.applied against weights.versions (metric + log)"),
     "topics": (_topics, "create or list the topics"),
     "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),
     "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker; "

@@ -124,6 +124,27 @@ class RunConfig(Section):
     max_restarts: int = 3  # milestream run starts a stage that died again, this many times at most
 
 
+class WeightsConfig(Section):
+    """How each new policy version reaches the rollout engines (streams/weights)."""
+
+    transport: Literal["disk", "disk-delta", "broadcast", "p2p"] = "disk"
+    bucket_mb: int = 512  # broadcast / p2p: parameters travel in buckets of this size
+    # requests in flight when a version lands: abort them, keep them going on the new weights in
+    # place (their KV cache is the old weights'), or retract them and resume on the new weights
+    # (re-prefilled; every token keeps the version that produced it)
+    inflight: Literal["abort", "keep", "retract"] = "retract"
+    noise_check: bool = False  # fill the engines with noise before the first version, compare after
+    delta_encoding: Literal["sparse", "xor"] = "sparse"  # disk-delta: changed positions + values, or xor
+    full_every: int = 10  # disk-delta: a full version every N versions, so a late engine can catch up
+    # the version files kept on disk are trainer.keep_weight_versions (plus a delta chain's full base)
+
+    @model_validator(mode="after")
+    def _check(self) -> "WeightsConfig":
+        if self.full_every < 1 or self.bucket_mb < 1:
+            raise ValueError("weights.full_every and weights.bucket_mb must be at least 1")
+        return self
+
+
 class Config(Section):
     broker: BrokerConfig = BrokerConfig()
     redis: RedisConfig = RedisConfig()
@@ -133,6 +154,7 @@ class Config(Section):
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
+    weights: WeightsConfig = WeightsConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

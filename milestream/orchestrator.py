@@ -81,6 +81,7 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
         port = cfg.run.prometheus_port or free_port()
         children.append(Child("metrics", ["metrics", "--prometheus-port", str(port)], config_path, log_dir))
         print(f"Prometheus metrics: http://127.0.0.1:{port}/metrics", flush=True)
+    children.append(Child("verifier", ["verify-weights"], config_path, log_dir))
     trainer = Child("trainer", ["train"], config_path, log_dir)
     return children + [trainer], trainer
 

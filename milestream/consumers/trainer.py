@@ -40,6 +40,7 @@ class Trainer:
         self.stopping = False
         if self.leader:
             self.producer = RecordProducer(cfg.broker, client_id="trainer")
+            self.sender = weights.make_sender(cfg)  # cfg.weights.transport
             self.collector = GroupCollector(cfg, self.producer, self.state.offsets,
                                             Admin(cfg.broker).partitions(topics.GROUPS), self.state.seen_groups)
 
@@ -53,6 +54,11 @@ class Trainer:
         return state
 
     def run(self) -> None:
+        if self.cfg.weights.noise_check and self.state.version == 0:
+            # the engines start from noise: the initial weights reach them as version 0 before they generate
+            exported = self.learner.export_weights()  # collective: every rank
+            if self.leader:
+                self.sender.publish(self.producer, 0, 0, exported)
         while self.state.step < self.cfg.trainer.steps and not self.stopping:
             started = time.monotonic()
             batch = self.collect()
@@ -64,8 +70,7 @@ class Trainer:
             self.state.version += 1
             exported = self.learner.export_weights()  # collective: every rank
             if self.leader:
-                weights.publish_version(self.producer, self.cfg.run.run_dir, self.state.version, self.state.step,
-                                        exported, keep=self.cfg.trainer.keep_weight_versions)
+                self.sender.publish(self.producer, self.state.version, self.state.step, exported)
                 # published before the checkpoint: a checkpointed step's record is always on the log. A
                 # step killed before its checkpoint is redone after resume and published again; the
                 # later record of a step is the one of the run's lineage (consumers/audit.py)
@@ -77,6 +82,7 @@ class Trainer:
         if self.leader:
             self.producer.flush()
             self.collector.close()
+            self.sender.close()
 
     def collect(self) -> list[CollectedGroup] | None:
         """The next batch (None: stop), read by the leader and broadcast to every other rank."""

@@ -2,8 +2,9 @@
 
 An engine turns token prompts into sampled completions with the behaviour log-prob and the
 weight version of every token, and accepts weight updates while requests are in flight: an
-update lands between two decode steps, and the rows already running keep their KV cache, so a
-completion may span several versions (the trainer corrects for it with importance weights).
+update lands between two decode steps, and the rows already running are aborted, kept in place
+(their KV cache stays) or retracted and resumed on the new weights (``inflight``); kept or
+resumed, a completion spans several versions (the trainer corrects for it with importance weights).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from milestream.config import ModelConfig, RolloutConfig
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict
 
 FinishReason = Literal["stop", "length", "abort"]
+InflightPolicy = Literal["abort", "keep", "retract"]  # config.WeightsConfig.inflight
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,11 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
+    def context(self) -> tuple[int, ...]:
+        """What a prefill of this row runs over: the prompt, and any tokens it already generated
+        (a row retracted by a weight update resumes from there)."""
+        return self.request.input_ids + tuple(self.output_ids)
+
     def resolve(self, finish_reason: FinishReason) -> None:
         result = GenerateResult(
             self.request.request_id,
@@ -138,6 +145,7 @@ class CpuEngine:
         seed: int = 0,  # sampling RNG; engines working side by side need distinct seeds
         initial_version: int = 0,
         admit_window_s: float = 0.005,  # lets a burst of concurrent generate() calls share one prefill
+        inflight: InflightPolicy = "retract",  # what rows decoding when a weight update lands become
     ) -> None:
         self.model: nn.Module = load_model(model_cfg, dtype=compute_dtype(model_cfg))
         self.model.requires_grad_(False)
@@ -145,6 +153,8 @@ class CpuEngine:
         self._admit_window_s = admit_window_s
         self._generator = torch.Generator().manual_seed(seed)
         self._version = initial_version
+        self._inflight = inflight
+        self.update_pause_s = 0.0  # how long the last weight update held generation still
         self._pending: deque[_Row] = deque()
         self._cond = threading.Condition()  # guards _pending, _paused, _closed, _stepping
         self._step_lock = threading.Lock()  # a step and a weight update never overlap
@@ -200,8 +210,31 @@ class CpuEngine:
         # A lock of its own rather than _cond: copying a full model takes long enough that the
         # event loop must not block on it in generate().
         with self._step_lock:
+            started = time.perf_counter()
+            self._settle_inflight()
             load_trainable_state_dict(self.model, tensors)
             self._version = version
+            self.update_pause_s = time.perf_counter() - started
+
+    def _settle_inflight(self) -> None:
+        """The rows decoding when a version lands, by policy (between two steps, under the step lock).
+
+        keep     they go on in place: their KV cache stays the old weights', later tokens are new
+        abort    they finish at once with finish_reason "abort" (the group is dropped as aborted)
+        retract  they leave the batch with the tokens they have and go back to the front of the
+                 queue; the next step prefills prompt + those tokens with the new weights and they
+                 resume. Every token keeps the version that produced it.
+        """
+        batch = self._batch
+        if batch is None or self._inflight == "keep":
+            return
+        self._batch = None
+        if self._inflight == "abort":
+            for row in batch.rows:
+                row.resolve("abort")
+            return
+        with self._cond:
+            self._pending.extendleft(reversed(batch.rows))
 
     def _run(self) -> None:
         while (admitted := self._next_admission()) is not None:
@@ -263,7 +296,7 @@ class CpuEngine:
         """Runs each distinct prompt once, then copies its KV cache to every row that shares it."""
         prompts: dict[tuple[int, ...], int] = {}
         for row in rows:
-            prompts.setdefault(row.request.input_ids, len(prompts))
+            prompts.setdefault(row.context(), len(prompts))
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -279,7 +312,7 @@ class CpuEngine:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        index = torch.tensor([prompts[row.request.input_ids] for row in rows])
+        index = torch.tensor([prompts[row.context()] for row in rows])
         cache.batch_select_indices(index)
         pos = mask.sum(-1)[index]
         batch = _Batch(rows, cache, mask[index], torch.zeros(len(rows), dtype=torch.long), pos)

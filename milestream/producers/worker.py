@@ -24,6 +24,7 @@ from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
 from milestream.streams import weights
+from milestream.streams.weights import verify
 from milestream.streams.credit import Credit
 
 log = logging.getLogger(__name__)
@@ -148,21 +149,47 @@ class RolloutWorker:
         self.producer.send(topics.LOGPROBS, [logprobs], key=group.group_id)
 
     async def _follow_weights(self, stop: asyncio.Event) -> None:
-        """Apply the newest announced version; tokens already generated keep the version that made them."""
-        while not stop.is_set():
-            latest: WeightVersion | None = None
-            for delivery in await asyncio.to_thread(self.versions.drain, 0.5, 5.0):
-                for record in delivery.records:
-                    if latest is None or record.version > latest.version:
-                        latest = record
-            if latest is not None and latest.version > self.engine.version:
-                await self._apply(latest)
-            self.weights_ready.set()
-
-    async def _apply(self, record: WeightVersion) -> None:
+        """Apply each newer announced version (only the newest, unless the transport needs every one);
+        nothing is admitted before the first pass, nor before the noise check's first version."""
+        receiver = await asyncio.to_thread(weights.make_receiver, self.cfg, self.worker_id)
+        noise = await self._fill_noise() if self.cfg.weights.noise_check else None
         try:
-            tensors = await asyncio.to_thread(weights.load_version, record)
+            while not stop.is_set():
+                deliveries = await asyncio.to_thread(self.versions.drain, 0.5, 5.0)
+                newer = sorted((r for d in deliveries for r in d.records
+                                if r.version > self.engine.version or (noise and noise.pending)),
+                               key=lambda r: r.version)
+                for record in newer if receiver.every_version else newer[-1:]:
+                    await self._apply(receiver, record, noise)
+                if noise is None or not noise.pending:
+                    self.weights_ready.set()
+        except Exception:
+            log.exception("engine %s stopped following weight versions", self.worker_id)  # never silently stale
+            raise
+        finally:
+            receiver.close()
+
+    async def _fill_noise(self) -> verify.NoiseCheck:
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise ValueError("weights.noise_check needs an engine that exposes its model (CpuEngine)")
+        noise = verify.NoiseCheck(model, seed=zlib.crc32(self.worker_id.encode()))
+        await self.engine.pause()
+        try:
+            await asyncio.to_thread(noise.fill)
+        finally:
+            await self.engine.resume()
+        log.info("engine %s filled with noise until its first weight version", self.worker_id)
+        return noise
+
+    async def _apply(self, receiver: weights.WeightReceiver, record: WeightVersion,
+                     noise: verify.NoiseCheck | None) -> None:
+        """Receive (decode, apply, verify) off the loop while the engine generates; pause only to load."""
+        try:
+            tensors = await asyncio.to_thread(receiver.receive, record)
             await self.engine.update_weights(record.version, tensors)
+            if noise is not None and noise.pending:
+                await asyncio.to_thread(noise.compare, record.version, tensors)
         except (weights.WeightVerificationError, OSError, ValueError) as exc:
             log.error("weight version %d rejected: %s", record.version, exc)
             weights.acknowledge(self.producer, self.worker_id, record, None, error=str(exc))
@@ -188,7 +215,7 @@ def request_id(group: Group, index: int) -> str:
 def run_worker(cfg: Config, worker_id: str) -> None:
     configure_process(cfg.model)
     seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
-    engine = CpuEngine(cfg.model, cfg.rollout, seed=seed)
+    engine = CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
     worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model))
 
     async def main() -> None:
