@@ -99,6 +99,17 @@ def _metrics(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(cfg: Config, args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from milestream.consumers.audit import audit_run
+
+    audit = audit_run(cfg.run.run_dir)
+    print(json.dumps({**dataclasses.asdict(audit), "exact": audit.exact}))
+    return 0 if audit.exact else 1
+
+
 def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.streams.weights.verify import WeightVerifier
 
@@ -163,6 +174,7 @@ COMMANDS = {
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish task prompts on the prompts topic (--follow: keep feeding)"),
     "metrics": (_metrics, "serve every figure on buffer.metrics as a Prometheus endpoint"),
+    "audit": (_audit, "exactly-once audit of a finished run from its archive and last checkpoint"),
     "verify-weights": (_verify_weights, "check every ack on weights.applied against weights.versions (metric + log)"),
     "topics": (_topics, "create or list the topics"),
     "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),

@@ -7,6 +7,9 @@ all, finishes its steps, and its log shows every group that entered trained or d
 from __future__ import annotations
 
 import collections
+import json
+import subprocess
+import sys
 import random
 import threading
 import time
@@ -157,6 +160,8 @@ def test_trainer_killed_at_random_points_loses_no_group_and_trains_none_twice(cf
 
     audit = audit_run(run_dir)
     print(audit)
+    command = [sys.executable, "-m", "milestream.cli", "audit", "--run-dir", str(run_dir)]
+    assert json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)["exact"]
     assert audit.steps == cfg.trainer.steps and not audit.missing_steps
     assert audit.groups_lost == [] and audit.groups_duplicated == []
     assert audit.groups_trained == cfg.trainer.steps * cfg.trainer.batch_groups
