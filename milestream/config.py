@@ -136,6 +136,8 @@ class WeightsConfig(Section):
     noise_check: bool = False  # fill the engines with noise before the first version, compare after
     delta_encoding: Literal["sparse", "xor"] = "sparse"  # disk-delta: changed positions + values, or xor
     full_every: int = 10  # disk-delta: a full version every N versions, so a late engine can catch up
+    # broadcast / p2p: the address engines reach the trainer's rendezvous at (on a cluster: its host name)
+    sender_host: str = "127.0.0.1"
     # the version files kept on disk are trainer.keep_weight_versions (plus a delta chain's full base)
 
     @model_validator(mode="after")

@@ -137,13 +137,13 @@ class BroadcastSender:
 
     transport = "broadcast"
 
-    def __init__(self, cfg: Config, *, num_engines: int | None = None, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, cfg: Config, *, num_engines: int | None = None, host: str | None = None, port: int = 0,
                  timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.device | None = None):
         self.bucket_mb = cfg.weights.bucket_mb
         self.world_size = (cfg.rollout.num_workers if num_engines is None else num_engines) + 1
         self.timeout_s = timeout_s
         self.device = torch.device(device) if device is not None else default_device()
-        self.host = host
+        self.host = host = host or cfg.weights.sender_host
         self.store = open_store(host, port, is_master=True, timeout_s=timeout_s)
         self.location = str(Rendezvous("tcp", host, self.store.port, {"world": str(self.world_size)}))
         self.group: dist.ProcessGroup | None = None

@@ -338,9 +338,10 @@ class P2PSender:
 
     transport = "p2p"
 
-    def __init__(self, cfg: Config, *, num_engines: int | None = None, tp_size: int = 1, host: str = "127.0.0.1",
+    def __init__(self, cfg: Config, *, num_engines: int | None = None, tp_size: int = 1, host: str | None = None,
                  port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S, use_ucxx: bool | None = None):
         self.bucket_mb = cfg.weights.bucket_mb
+        host = host or cfg.weights.sender_host
         self.receivers = Layout(tp_size=tp_size,
                                 replicas=cfg.rollout.num_workers if num_engines is None else num_engines)
         self.use_ucxx = ucxx_available() if use_ucxx is None else use_ucxx
