@@ -18,7 +18,7 @@ from milestream.producers.worker import STATUS
 
 MakeEngine = Callable[..., CpuEngine]
 PROMPTS = {"a": (3, 4, 5), "b": (3, 4, 5), "c": (9, 8, 7, 6, 5, 4)}  # a and b share a prompt
-LONG = 60
+LONG = 300  # long enough that no request finishes before the update lands, even on a loaded machine
 
 
 def new_weights(engine: CpuEngine) -> dict[str, torch.Tensor]:
@@ -83,10 +83,11 @@ def test_retract_resumes_on_the_new_weights_with_versions_split_at_the_update(
         assert 3 <= switch < LONG
         req = request(rid, PROMPTS[rid], LONG)
         # tokens before the update are the old model's, those after the new model's over the
-        # whole context (re-prefilled), each to 1e-4
+        # whole context (re-prefilled), each to 1e-3 (cached decoding against one full forward
+        # rounds differently over a few hundred tokens; the two models differ by far more)
         torch.testing.assert_close(torch.tensor(result.logprobs[:switch]),
-                                   reference_logprobs(old, req, result)[:switch], atol=1e-4, rtol=0)
+                                   reference_logprobs(old, req, result)[:switch], atol=1e-3, rtol=0)
         torch.testing.assert_close(torch.tensor(result.logprobs[switch:]),
-                                   reference_logprobs(engine, req, result)[switch:], atol=1e-4, rtol=0)
+                                   reference_logprobs(engine, req, result)[switch:], atol=1e-3, rtol=0)
     assert engine.update_pause_s > 0
 
