@@ -18,12 +18,11 @@ from pathlib import Path
 from milestream.config import load_config
 from milestream.infra.chaos import pids, sigkill, stage_pids
 from milestream.consumers import checkpoint
-from milestream.consumers.archive import read_topic
+from milestream.consumers.archive import archived_messages
 from milestream.consumers.audit import audit_run
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, decode
 
 PROCESSOR_KILLS_AT_GROUPS = (2, 5, 8)  # SIGKILL the processor once this many groups have been emitted
 
@@ -52,8 +51,7 @@ class EmittedGroups:
 
 
 def archived(run_dir: Path, spec) -> list:
-    return [record for row in read_topic(run_dir, spec.name).to_pylist()
-            for record in decode(row["value"], spec.record, Position(spec.name, row["partition"], row["offset"]))]
+    return [record for *_, records in archived_messages(run_dir, spec) for record in records]
 
 
 def start_run(cfg) -> tuple[threading.Thread, dict]:

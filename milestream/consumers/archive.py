@@ -48,7 +48,7 @@ from confluent_kafka.admin import AdminClient
 from milestream.config import Config
 from milestream.infra.kafka import Admin, client_config, topic_name
 from milestream.schemas import topics
-from milestream.schemas.codec import SCHEMA_HEADER
+from milestream.schemas.codec import SCHEMA_HEADER, Position, decode
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +314,13 @@ def iter_rows(run_dir: str | Path, topic: str) -> Iterator[dict[str, Any]]:
     table = read_topic(run_dir, topic)
     for batch in table.to_batches(max_chunksize=1024):
         yield from batch.to_pylist()
+
+
+def archived_messages(run_dir: str | Path, spec: topics.TopicSpec) -> Iterator[tuple[int, int, list[Any]]]:
+    """(partition, offset, its decoded records) of every archived message of ``spec``, in order."""
+    for row in iter_rows(run_dir, spec.name):
+        yield row["partition"], row["offset"], decode(row["value"], spec.record,
+                                                      Position(spec.name, row["partition"], row["offset"]))
 
 
 def run_archiver(cfg: Config, stop: threading.Event, **options: Any) -> int:

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from milestream.consumers import checkpoint
-from milestream.consumers.archive import iter_rows
+from milestream.consumers.archive import archived_messages
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, decode
 from milestream.schemas.records import Metrics
 
 
@@ -38,9 +37,9 @@ class Audit:
 
 
 def _records(run_dir: Path, spec: topics.TopicSpec):
-    for row in iter_rows(run_dir, spec.name):
-        for record in decode(row["value"], spec.record, Position(spec.name, row["partition"], row["offset"])):
-            yield row["partition"], row["offset"], record
+    for partition, offset, records in archived_messages(run_dir, spec):
+        for record in records:
+            yield partition, offset, record
 
 
 def lineage(run_dir: str | Path) -> tuple[dict[int, Metrics], int]:

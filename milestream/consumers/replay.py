@@ -211,7 +211,30 @@ def _group_rows(run_dir: Path) -> list[tuple[int, int, dict[str, Any]]]:
     return out
 
 
-def derive_accounting(cfg: Config, run_dir: str | Path, rollout_offsets: dict[int, int],
+@dataclass(frozen=True)
+class ArchivedRun:
+    """What a resume reads from the archive, once: where every group's records and outcome lie."""
+
+    sources: dict[str, list[tuple[int, int, dict[str, Any]]]]  # source topic -> (partition, offset, {group_id})
+    emitted: list[tuple[int, int, dict[str, Any]]]  # buffer.groups: (partition, offset, {group_id, oldest_version})
+    left: set[str]  # groups with an archived outcome, or seen by the trainer's checkpoint
+
+    @classmethod
+    def read(cls, run_dir: Path, trainer_seen: set[str]) -> "ArchivedRun":
+        sources = {spec.name: _rows(run_dir, spec, ["group_id"])
+                   for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)}
+        emitted = _group_rows(run_dir)
+        # the trainer saw what it took or dropped, though a crash may have lost its buffer.groups record
+        left = {r["group_id"] for *_, r in emitted} | trainer_seen
+        left |= {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
+        return cls(sources, emitted, left)
+
+    @property
+    def entered(self) -> set[str]:
+        return {r["group_id"] for *_, r in self.sources[topics.TRAJECTORIES.name]}
+
+
+def derive_accounting(cfg: Config, run_dir: str | Path, archived: ArchivedRun, rollout_offsets: dict[int, int],
                       trainer_offsets: dict[int, int], trainer_seen: set[str], prompts_published: int) -> Accounting:
     """Credit = capacity - groups that still hold one, from the log alone (every stage stopped).
 
@@ -231,11 +254,8 @@ def derive_accounting(cfg: Config, run_dir: str | Path, rollout_offsets: dict[in
     prompt_at = {prompt.group_id: (row["partition"], row["offset"])  # one group per prompt attempt
                  for row in read_topic(run_dir, topics.PROMPTS.name).to_pylist()
                  for prompt in decode(row["value"], Prompt, Position(topics.PROMPTS.name, row["partition"], row["offset"]))}
-    entered = {r["group_id"] for *_, r in _rows(run_dir, topics.TRAJECTORIES, ["group_id"])}
-    emitted = _group_rows(run_dir)
-    left = {r["group_id"] for *_, r in emitted} | {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
-    left |= trainer_seen  # taken or dropped by the trainer, though the crash may have lost its buffer.groups record
-    to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in emitted
+    entered, left = archived.entered, archived.left
+    to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in archived.emitted
                   if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}
     unread = {g for g, (p, o) in prompt_at.items() if o >= rollout_offsets.get(p, 0)}
     pending = entered - unread - left
@@ -261,8 +281,9 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
     rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
     rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
     credit = Credit(cfg)
-    unsettled = rewind_processor(cfg, run_dir, restored, state.seen_groups)
-    accounting = derive_accounting(cfg, run_dir, rollout_offsets, state.offsets, state.seen_groups,
+    archived = ArchivedRun.read(Path(run_dir), state.seen_groups)
+    unsettled = rewind_processor(cfg, archived, restored)
+    accounting = derive_accounting(cfg, run_dir, archived, rollout_offsets, state.offsets, state.seen_groups,
                                    credit.prompts_published())
     with credit.client.pipeline(transaction=True) as tx:
         tx.set(credit.key, accounting.credit)
@@ -281,8 +302,7 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
     return accounting
 
 
-def rewind_processor(cfg: Config, run_dir: Path, restored: dict[str, dict[str, dict[int, int]]],
-                     trainer_seen: set[str]) -> list[str]:
+def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dict[str, dict[int, int]]]) -> list[str]:
     """After a broker crash, make the processor redo every group whose outcome the archive lacks.
 
     The processor may have settled a group, and committed past its records, whose buffer.groups or
@@ -294,18 +314,15 @@ def rewind_processor(cfg: Config, run_dir: Path, restored: dict[str, dict[str, d
     """
     from milestream.streams.processor import app_id
 
-    run_dir = Path(run_dir)
-    left = {r["group_id"] for *_, r in _group_rows(run_dir)} | trainer_seen  # the trainer saw what it took
-    left |= {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
     group = app_id(cfg)
     committed = restored.get(group, {})
     rewound: list[TopicPartition] = []
     entered: set[str] = set()
     for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING):
         oldest: dict[int, int] = {}
-        for partition, offset, row in _rows(run_dir, spec, ["group_id"]):
+        for partition, offset, row in archived.sources[spec.name]:
             entered.add(row["group_id"])
-            if row["group_id"] not in left:
+            if row["group_id"] not in archived.left:
                 oldest[partition] = min(offset, oldest.get(partition, offset))
         for partition, offset in oldest.items():
             if offset < committed.get(spec.name, {}).get(partition, 0):
@@ -320,7 +337,7 @@ def rewind_processor(cfg: Config, run_dir: Path, restored: dict[str, dict[str, d
             consumer.close()
     credit = Credit(cfg)
     states = credit.client.hkeys(credit.group_states_key)
-    return [g for g in (k.decode() for k in states) if g in entered and g not in left]
+    return [g for g in (k.decode() for k in states) if g in entered and g not in archived.left]
 
 
 def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple[Republished, Accounting]:

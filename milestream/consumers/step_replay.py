@@ -17,11 +17,10 @@ import torch
 from milestream.config import Config
 from milestream.consumers import checkpoint
 from milestream.consumers.audit import lineage
-from milestream.consumers.archive import iter_rows
+from milestream.consumers.archive import archived_messages
 from milestream.consumers.learner import CollectedGroup, Learner
 from milestream.infra.model import configure_process
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, decode
 from milestream.schemas.records import GroupSample, Metrics
 
 COMPARED = ("loss", "grad_norm")
@@ -59,8 +58,7 @@ def checkpoint_before(run_dir: Path, step: int) -> tuple[int, dict]:
 
 def logged_groups(run_dir: Path, wanted: set[str]) -> dict[str, list[GroupSample]]:
     groups: dict[str, list[GroupSample]] = {}
-    for row in iter_rows(run_dir, topics.GROUPS.name):
-        samples = decode(row["value"], GroupSample, Position(topics.GROUPS.name, row["partition"], row["offset"]))
+    for _, _, samples in archived_messages(run_dir, topics.GROUPS):
         if samples and samples[0].group_id in wanted:
             groups.setdefault(samples[0].group_id, samples)  # a re-emission carries the same group
     return groups
