@@ -260,7 +260,10 @@ def disk_phase(previous: dict[str, torch.Tensor], current: dict[str, torch.Tenso
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=2,
+                        help="steps left out of the steady-state delta figure: AdamW's first steps move every weight "
+                             "by about lr (m / sqrt(v) starts at +-1), later ones by less")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", default="512,64", help="the first is the headline, the others extra figures")
     parser.add_argument("--ucx-tls", default="tcp", help="UCX_TLS for the P2P engines ('' lets UCX choose)")
@@ -296,6 +299,9 @@ def report(args, bf16, fp32, disk, broadcasts, p2p, steps_s, started) -> dict:
         "steps": f"{args.steps} AdamW steps of milestream's Learner (local backend, full fine-tuning, lr 1e-6, GRPO) "
                  "on synthetic logged-like batches (2 groups x 4 samples, 40 + 12 tokens, 0/1 rewards)",
         "delta_fraction_bf16": bf16["fraction"], "delta_fraction_fp32": fp32["fraction"],
+        "delta_fraction_bf16_steady": statistics.mean(bf16["per_step"][args.warmup_steps:]),
+        "delta_fraction_fp32_steady": statistics.mean(fp32["per_step"][args.warmup_steps:]),
+        "steady": f"the mean over steps {args.warmup_steps + 1}..{args.steps} (the first {args.warmup_steps} left out)",
         "delta_fraction_bf16_per_step": bf16["per_step"], "changed_elements_bf16": bf16["changed_elements"],
         "changed_elements_fp32": fp32["changed_elements"],
         "delta_encoding": "disk-delta's own DeltaSender (streams/weights/delta.py), weights.delta_encoding sparse: "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -90,12 +91,27 @@ def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _metrics(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.metrics_exporter import PrometheusExporter
+    from milestream.consumers.metrics_feed import attach_to_run
 
-    stop = stop_on_signals()
-    exporter = PrometheusExporter(cfg, args.prometheus_port)
-    print(f"serving http://127.0.0.1:{exporter.port}/metrics", flush=True)
-    exporter.run(stop)
+    cfg = attach_to_run(cfg, args.overrides)
+    port = args.prometheus_port if args.prometheus_port is not None else (9464 if args.serve else None)
+    if port is None and not args.jsonl:
+        from milestream.consumers.metrics_live import watch
+
+        watch(cfg, threading.Event() if args.once else stop_on_signals(), once=args.once)
+        return 0
+    from milestream.consumers.metrics_exporter import serve
+
+    serve(cfg, stop_on_signals(), port, args.prometheus_addr, args.jsonl)
+    return 0
+
+
+def _plot(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.consumers.metrics_feed import attach_to_run
+    from milestream.consumers.plots import plot_run
+
+    for path in plot_run(attach_to_run(cfg, args.overrides), args.source, args.out):
+        print(f"wrote {path}")
     return 0
 
 
@@ -114,6 +130,30 @@ def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.streams.weights.verify import WeightVerifier
 
     WeightVerifier(cfg).run(stop_on_signals())
+    return 0
+
+
+def _eval(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.consumers.evaluation import run_evaluator
+
+    run_evaluator(cfg, stop_on_signals())
+    return 0
+
+
+def _engine(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.producers.engine_server import serve_engines
+
+    serve_engines(cfg, host=args.host, port=args.port, engine_id=args.engine_id, count=args.engines)
+    return 0
+
+
+def _router(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.producers.router import serve_router, sglang_router_args
+
+    if args.sglang:  # the same routing on sglang-router (gpu extra); see sglang_router_args for what differs
+        command = sglang_router_args(cfg.router)
+        os.execv(command[0], command)
+    serve_router(cfg.router)
     return 0
 
 
@@ -140,16 +180,25 @@ def _archive(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _sessions(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.producers.sessions.server import serve_sessions
+
+    serve_sessions(cfg)
+    return 0
+
+
 def _replay(cfg: Config, args: argparse.Namespace) -> int:
     import json
 
-    from milestream.consumers import replay
+    from milestream.consumers import replay, replay_cli
 
+    if replay_cli.wants(args):  # select, list, show, export, re-drive
+        return replay_cli.run(cfg, args)
     run_dir = cfg.run.run_dir
     if args.step is not None:
         from milestream.consumers.step_replay import replay_step
 
-        result = replay_step(cfg, run_dir, args.step)
+        result = replay_step(replay_cli.run_config(cfg, args), run_dir, args.step)
         print(json.dumps({"step": result.step, "from_checkpoint": result.from_checkpoint, "logged": result.logged,
                           "replayed": result.replayed, "bitwise_equal": result.bitwise_equal}))
         return 0 if result.bitwise_equal else 1
@@ -173,17 +222,25 @@ COMMANDS = {
     "train": (_train, "run the trainer"),
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish task prompts on the prompts topic (--follow: keep feeding)"),
-    "metrics": (_metrics, "serve every figure on buffer.metrics as a Prometheus endpoint"),
+    "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the Prometheus "
+                          "endpoint of every figure; --jsonl PATH: log buffer.metrics"),
+    "plot": (_plot, "PNG plots (reward, staleness, queue, throughput, drops) of a run, archived or live"),
     "audit": (_audit, "exactly-once audit of a finished run from its archive and last checkpoint"),
     "verify-weights": (_verify_weights, "check every ack on weights.applied against weights.versions (metric + log)"),
+    "eval": (_eval, "evaluate each due weight version on held-out prompts (eval.mode dedicated or external) "
+                    "onto eval.results"),
+    "engine": (_engine, "serve the CPU engine over SGLang's HTTP API (/generate, pause, update weights)"),
+    "router": (_router, "route each session's requests to one engine (router.engines; X-SMG-Routing-Key)"),
     "topics": (_topics, "create or list the topics"),
     "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),
     "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker; "
-                        "--step N: recompute a trainer step and compare"),
+                        "--step N: recompute a trainer step and compare; select by step, group, time or offset "
+                        "to --list, --show, --export or --redrive (see consumers/replay_cli.py)"),
+    "sessions": (_sessions, "serve token-in-token-out chat sessions over HTTP (sessions.host:port)"),
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="milestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
@@ -191,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         _common(command)
         if name == "rollout":
             command.add_argument("--worker-id", default="worker-0")
+        if name == "engine":
+            command.add_argument("--host", default="127.0.0.1")
+            command.add_argument("--port", type=int, default=30001, help="0: a free port (printed when ready)")
+            command.add_argument("--engine-id", default="engine-0", help="with --engines N: ENGINE_ID-0 ... -N-1")
+            command.add_argument("--engines", type=int, default=1, help="engine processes (forked after the imports)")
+        if name == "router":
+            command.add_argument("--sglang", action="store_true",
+                                 help="run sglang-router 0.3.2 (manual policy, min_load) on router.* instead")
         if name == "load-prompts":
             command.add_argument("--start", type=int, default=0)
             command.add_argument("--count", type=int, default=1000)
@@ -198,7 +263,16 @@ def main(argv: list[str] | None = None) -> int:
                                  help="keep --lookahead prompts ahead of rollout admissions until stopped")
             command.add_argument("--lookahead", type=int, help="default: twice the buffer capacity")
         if name == "metrics":
-            command.add_argument("--prometheus-port", type=int, default=9464)
+            command.add_argument("--serve", action="store_true", help="serve the Prometheus endpoint (no view)")
+            command.add_argument("--prometheus-port", type=int, help="the endpoint's port (implies --serve; "
+                                 "default 9464, 0: a free one)")
+            command.add_argument("--prometheus-addr", default="127.0.0.1", help="0.0.0.0: scraped from other hosts")
+            command.add_argument("--jsonl", help="append each buffer.metrics record to this JSONL file (resumes)")
+            command.add_argument("--once", action="store_true", help="print one snapshot of the view and exit")
+        if name == "plot":
+            command.add_argument("--source", choices=["auto", "archive", "topics"], default="auto",
+                                 help="auto: RUN_DIR/archive when there is one, else the live topics")
+            command.add_argument("--out", help="folder for the PNGs (default RUN_DIR/plots)")
         if name == "topics":
             command.add_argument("action", choices=["create", "list"])
         if name == "archive":
@@ -214,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--no-groups", action="store_true", help="do not restore consumer-group offsets")
             command.add_argument("--step", type=int, help="recompute this trainer step from the archived log and the "
                                  "checkpoint before it; compare loss and grad norm bit for bit with the logged ones")
-    args = parser.parse_args(argv)
+            from milestream.consumers.replay_cli import add_arguments as add_replay_arguments
+
+            add_replay_arguments(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     for noisy in ("aiokafka", "faust", "mode", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,16 +1,18 @@
 """The one typed configuration object: every knob of milestream, loaded from YAML, overridable by flags.
 
 Sections mirror the stages of the loop. ``load_config`` reads an optional YAML file and applies
-``section.key=value`` overrides (values parsed as YAML scalars), then validates the whole tree.
+``MILESTREAM__SECTION__KEY`` environment variables, then ``section.key=value`` overrides (values parsed
+as YAML), then validates the whole tree.
 """
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -26,6 +28,9 @@ class BrokerConfig(Section):
     # meanwhile; a short wait keeps hand-offs fast (real Kafka answers as soon as data is there)
     fetch_wait_ms: int = 50
     client: dict[str, str] = Field(default_factory=dict)  # extra librdkafka settings (SASL/SSL, ...)
+    replication_factor: int = -1  # of the topics milestream creates; -1: the cluster's default.replication.factor
+    # settings of the topics milestream creates, next to max.message.bytes (e.g. min.insync.replicas)
+    topic_config: dict[str, str] = Field(default_factory=dict)
 
 
 class RedisConfig(Section):
@@ -34,7 +39,7 @@ class RedisConfig(Section):
 
 
 class ModelConfig(Section):
-    name: Literal["smollm2-135m-instruct", "tiny-random"] = "smollm2-135m-instruct"
+    name: Literal["smollm2-135m-instruct", "tiny-random", "tiny-moe"] = "smollm2-135m-instruct"
     lora_rank: int = 16  # 0: full fine-tuning
     lora_alpha: int = 32
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,6 +69,23 @@ class RolloutConfig(Section):
     max_batch: int = 32  # engine batch (samples generated together)
     refill: Literal["sample", "group"] = "sample"
     num_workers: int = 1
+    # the three plug-in layers (producers/rollout.py), each an import path, outermost first
+    rollout_fn: str = "milestream.producers.rollout:score_each"  # a group: samples, rewards
+    generate_fn: str = "milestream.producers.rollout:single_turn"  # one sample: generation, tokens
+    agent_fn: str | None = None  # a multi-turn episode loop (with generate_fn ...:agent_episode)
+    # when a multi-turn request extends a stored history (producers/sessions): strict compares every
+    # field the chat template reads; loose only roles and visible text (see docs/sessions.md)
+    session_match: Literal["strict", "template", "loose"] = "strict"
+    max_turns: int = 4  # assistant turns per episode (agents read it)
+    max_context_tokens: int = 1024  # an episode ends (truncated) before a turn would pass this
+
+
+class SandboxConfig(Section):
+    """The per-episode tool sandbox (producers/environments/sandbox.py)."""
+
+    timeout_s: float = 5.0  # wall clock per tool call (CPU time limited to about the same)
+    memory_mb: int = 512  # address space of the tool process
+    max_output_chars: int = 2000  # of a tool result, given back to the model
 
 
 class BufferConfig(Section):
@@ -114,6 +136,8 @@ class TrainerConfig(Section):
     value_coef: float = 0.5  # weight of the value loss next to the policy loss
     objective: Literal["policy", "supervised"] = "policy"
     loss: str | None = None  # import path: fn(LossInput) -> LossOutput, replaces the objective
+    # MoE (R3): the forward replays the expert ids the rollout engine recorded instead of its own top-k
+    routing_replay: bool = True
 
 
 class RunConfig(Section):
@@ -147,6 +171,62 @@ class WeightsConfig(Section):
         return self
 
 
+class EvalConfig(Section):
+    """Held-out evaluation as a consumer of weights.versions (consumers/evaluation.py); results on eval.results."""
+
+    # None: off. shared: the rollout engine of worker ``shared_worker`` evaluates, its new submissions wait
+    # meanwhile (nothing in flight is aborted); dedicated: ``milestream eval`` runs its own engine;
+    # external: ``milestream eval`` calls ``evaluator`` on an HF-loadable folder of each version
+    mode: Literal["shared", "dedicated", "external"] | None = None
+    every_versions: int = 10  # versions divisible by this (and the one of the last step) are evaluated
+    num_prompts: int = 64  # distinct held-out questions, drawn past the training entries (index >= data.size)
+    max_new_tokens: int | None = None  # greedy; None: rollout.max_new_tokens
+    timeout_s: float = 600.0  # an evaluation that takes longer is recorded as skipped
+    evaluator: str | None = None  # external: import path of fn(folder: Path) -> float | dict[str, float]
+    shared_worker: str = "worker-0"
+    name: str = "heldout"  # EvalResult.name (an external evaluator's dict adds "/key")
+    keep_exports: int = 2  # external: the newest exported version folders kept under RUN_DIR/eval
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalConfig":
+        if self.every_versions < 1 or self.num_prompts < 1 or self.keep_exports < 1:
+            raise ValueError("eval.every_versions, eval.num_prompts and eval.keep_exports must be at least 1")
+        if self.mode == "external" and not self.evaluator:
+            raise ValueError("eval.mode external needs eval.evaluator, the import path of fn(folder) -> score")
+        return self
+
+
+class RouterConfig(Section):
+    """The affinity router in front of HTTP engines (producers/router.py, ``milestream router``)."""
+
+    # one entry per engine: the URL of each of its data-parallel ranks (a bare URL: an engine of one rank)
+    engines: tuple[tuple[str, ...], ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 30000
+    key_header: str = "X-SMG-Routing-Key"  # the session's routing key; sglang-router's manual policy reads it too
+    max_sessions: int = 65536  # routing keys remembered; beyond it the least recently used is forgotten
+    request_timeout_s: float = 600.0
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _one_rank_engines(cls, engines: Any) -> Any:
+        return [[e] if isinstance(e, str) else e for e in engines] if isinstance(engines, (list, tuple)) else engines
+
+
+class SessionsConfig(Section):
+    """The token-in-token-out session service (producers/sessions, ``milestream sessions``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 30100
+    # when a request extends a stored history: strict (every field), template (the fields the chat
+    # template reads), loose (role and visible text; see docs/sessions.md for its risk)
+    match: Literal["strict", "template", "loose"] = "strict"
+    # import path: fn(cfg) -> an object with async generate(input_ids, sampling, routing_key)
+    backend: str = "milestream.producers.sessions.server:cpu_engine_backend"
+    tokenizer: str | None = None  # import path: fn() -> tokenizer; None: the policy's (model.name)
+    max_sessions: int = 1024  # open sessions; creating one more is refused (429) until some close
+
+
 class Config(Section):
     broker: BrokerConfig = BrokerConfig()
     redis: RedisConfig = RedisConfig()
@@ -157,6 +237,10 @@ class Config(Section):
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
     weights: WeightsConfig = WeightsConfig()
+    router: RouterConfig = RouterConfig()
+    eval: EvalConfig = EvalConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    sessions: SessionsConfig = SessionsConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -211,11 +295,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path.strip().split("."), yaml.safe_load(raw)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+ENV_PREFIX = "MILESTREAM__"
+
+
+def environment_overrides(environ: Mapping[str, str]) -> list[str]:
+    """``MILESTREAM__BROKER__BOOTSTRAP_SERVERS=k1:9092`` -> ``broker.bootstrap_servers=k1:9092`` (containers)."""
+    return [f"{name[len(ENV_PREFIX):].lower().replace('__', '.')}={value}"
+            for name, value in sorted(environ.items()) if name.startswith(ENV_PREFIX)]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                environ: Mapping[str, str] | None = None) -> Config:
+    """The YAML file, then ``MILESTREAM__SECTION__KEY`` variables of ``environ`` (default: os.environ), then
+    ``overrides``; later ones win."""
     data: dict[str, Any] = {}
     if path:
         data = yaml.safe_load(Path(path).read_text()) or {}
-    for text in overrides:
+    for text in [*environment_overrides(os.environ if environ is None else environ), *overrides]:
         keys, value = parse_override(text)
         node = data
         for key in keys[:-1]:

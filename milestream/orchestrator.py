@@ -79,9 +79,12 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
                  for i in range(cfg.rollout.num_workers)]
     if cfg.run.prometheus_port is not None:
         port = cfg.run.prometheus_port or free_port()
-        children.append(Child("metrics", ["metrics", "--prometheus-port", str(port)], config_path, log_dir))
+        children.append(Child("metrics", ["metrics", "--serve", "--prometheus-port", str(port),
+                                          "--jsonl", str(cfg.run_path / "metrics.jsonl")], config_path, log_dir))
         print(f"Prometheus metrics: http://127.0.0.1:{port}/metrics", flush=True)
     children.append(Child("verifier", ["verify-weights"], config_path, log_dir))
+    if cfg.eval.mode in ("dedicated", "external"):  # eval.mode shared runs inside the rollout workers
+        children.append(Child("evaluator", ["eval"], config_path, log_dir))
     trainer = Child("trainer", ["train"], config_path, log_dir)
     return children + [trainer], trainer
 

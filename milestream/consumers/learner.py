@@ -19,6 +19,7 @@ from milestream.consumers.backends import TrainBackend, make_backend
 from milestream.consumers.estimators import AdvantageInputs, advantage_options, compute_advantages
 from milestream.consumers.logprobs import pad
 from milestream.consumers.losses import LossInput, make_loss
+from milestream.consumers.routing_replay import recorded_routing
 from milestream.schemas.records import GroupSample
 
 
@@ -82,9 +83,15 @@ class Learner:
 
     def _forward(self, rows: PromptRows) -> tuple[torch.Tensor, torch.Tensor | None]:
         responses = [s.response_ids for s in rows.samples]
+        replay = self._routing(rows.samples)
         if self.with_values:
-            return self.backend.logprobs_and_values(rows.prompt_ids, responses, self.cfg.rollout.temperature)
-        return self.backend.logprobs(rows.prompt_ids, responses, self.cfg.rollout.temperature), None
+            return self.backend.logprobs_and_values(rows.prompt_ids, responses, self.cfg.rollout.temperature, **replay)
+        return self.backend.logprobs(rows.prompt_ids, responses, self.cfg.rollout.temperature, **replay), None
+
+    def _routing(self, samples: Sequence[GroupSample]) -> dict[str, Any]:
+        """The backend's ``routing`` argument when the samples' recorded MoE routing is replayed."""
+        routing = recorded_routing(self.cfg.trainer, samples)
+        return {} if routing is None else {"routing": routing}
 
     def _microbatches(self, batch: Sequence[CollectedGroup]) -> list[PromptRows]:
         """Advantages over the whole batch (some estimators whiten across it), cut per group and prompt."""
@@ -116,7 +123,8 @@ class Learner:
         with torch.no_grad():
             rows = [v for prompt_ids, samples in parts
                     for v in self.backend.logprobs_and_values(prompt_ids, [s.response_ids for s in samples],
-                                                              self.cfg.rollout.temperature)[1].cpu()]
+                                                              self.cfg.rollout.temperature,
+                                                              **self._routing(samples))[1].cpu()]
         return _stack_padded(rows)
 
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -5,12 +5,16 @@ consumers/audit.py) names its groups in order, and ``buffer.groups`` holds them.
 from the newest checkpoint before step N, trains the logged batches of the steps in between, then
 takes step N and compares its loss and gradient norm with the logged ones. Arithmetic on one CPU
 thread is deterministic, so on the backend the run used (``local``) they match exactly.
+``replay_steps`` does the same for a range of steps, from any log source (``milestream replay
+--redrive trainer --steps A:B``, consumers/offline.py).
 """
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,6 +28,7 @@ from milestream.schemas import topics
 from milestream.schemas.records import GroupSample, Metrics
 
 COMPARED = ("loss", "grad_norm")
+GroupFetcher = Callable[[set[str]], dict[str, list[GroupSample]]]  # group ids -> their logged samples
 
 
 class StepReplayError(RuntimeError):
@@ -65,13 +70,20 @@ def logged_groups(run_dir: Path, wanted: set[str]) -> dict[str, list[GroupSample
 
 
 def replay_step(cfg: Config, run_dir: str | Path, step: int) -> StepReplay:
-    run_dir = Path(run_dir)
     steps, _ = lineage(run_dir)
-    if step not in steps:
-        raise StepReplayError(f"step {step} is not on the archived log of {run_dir} (steps {min(steps, default=0)}"
+    return replay_steps(cfg, run_dir, steps, functools.partial(logged_groups, Path(run_dir)), step, step)[0]
+
+
+def replay_steps(cfg: Config, run_dir: str | Path, steps: dict[int, Metrics], fetch_groups: GroupFetcher,
+                 first: int, last: int) -> list[StepReplay]:
+    """Steps ``first``..``last`` of the lineage ``steps``, recomputed from the checkpoint before ``first``."""
+    run_dir = Path(run_dir)
+    absent = [s for s in range(first, last + 1) if s not in steps]
+    if absent:
+        raise StepReplayError(f"steps {absent} are not on the log of {run_dir} (steps {min(steps, default=0)}"
                               f"..{max(steps, default=0)})")
-    at, payload = checkpoint_before(run_dir, step)
-    missing = [s for s in range(at + 1, step + 1) if s not in steps]
+    at, payload = checkpoint_before(run_dir, first)
+    missing = [s for s in range(at + 1, first) if s not in steps]
     if missing:
         raise StepReplayError(f"no record of steps {missing} to replay from the checkpoint of step {at}")
     configure_process(cfg.model)
@@ -79,13 +91,15 @@ def replay_step(cfg: Config, run_dir: str | Path, step: int) -> StepReplay:
     if payload:
         learner.load_state_dict(payload["backend"])
         checkpoint.restore(payload)
-    records: list[Metrics] = [steps[s] for s in range(at + 1, step + 1)]
-    groups = logged_groups(run_dir, {g for r in records for g in r.group_ids})
-    figures: dict[str, float] = {}
+    records: list[Metrics] = [steps[s] for s in range(at + 1, last + 1)]
+    groups = fetch_groups({g for r in records for g in r.group_ids})
+    replayed = []
     for record in records:
-        absent = [g for g in record.group_ids if g not in groups]
-        if absent:
-            raise StepReplayError(f"step {record.step}: groups {absent[:3]} are not on the archived buffer.groups")
+        absent_groups = [g for g in record.group_ids if g not in groups]
+        if absent_groups:
+            raise StepReplayError(f"step {record.step}: groups {absent_groups[:3]} are not on the logged buffer.groups")
         figures = learner.train_step([CollectedGroup(g, groups[g], 0) for g in record.group_ids])
-    logged = steps[step].values
-    return StepReplay(step, at, {k: logged[k] for k in COMPARED}, {k: figures[k] for k in COMPARED})
+        if record.step >= first:
+            replayed.append(StepReplay(record.step, at, {k: record.values[k] for k in COMPARED},
+                                       {k: figures[k] for k in COMPARED}))
+    return replayed

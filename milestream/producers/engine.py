@@ -22,6 +22,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from milestream.config import ModelConfig, RolloutConfig
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict
+from milestream.producers.moe_routing import RecordedRouting, RoutingTap, RowRouting
 
 FinishReason = Literal["stop", "length", "abort"]
 InflightPolicy = Literal["abort", "keep", "retract"]  # config.WeightsConfig.inflight
@@ -52,6 +53,7 @@ class GenerateResult:
     logprobs: tuple[float, ...]  # log_softmax(raw logits / temperature) of each sampled token
     versions: tuple[int, ...]  # weight version of the forward pass that produced each token
     finish_reason: FinishReason
+    routing: RecordedRouting | None = None  # MoE models: expert ids of every token (producers/moe_routing.py)
 
 
 class Engine(Protocol):
@@ -86,6 +88,7 @@ class _Row:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routing: RowRouting | None = None
 
     def context(self) -> tuple[int, ...]:
         """What a prefill of this row runs over: the prompt, and any tokens it already generated
@@ -99,6 +102,7 @@ class _Row:
             tuple(self.logprobs),
             tuple(self.versions),
             finish_reason,
+            self.routing.result() if self.routing else None,
         )
         self.loop.call_soon_threadsafe(_set_result, self.future, result)
 
@@ -149,6 +153,7 @@ class CpuEngine:
     ) -> None:
         self.model: nn.Module = load_model(model_cfg, dtype=compute_dtype(model_cfg))
         self.model.requires_grad_(False)
+        self._routing_tap = RoutingTap.attach(self.model)  # None: a dense model, nothing to record
         self._max_batch = rollout_cfg.max_batch
         self._admit_window_s = admit_window_s
         self._generator = torch.Generator().manual_seed(seed)
@@ -313,6 +318,8 @@ class CpuEngine:
             logits_to_keep=1,
         ).logits[:, -1]
         index = torch.tensor([prompts[row.context()] for row in rows])
+        if self._routing_tap:
+            self._routing_tap.after_prefill(rows, index.tolist(), len(prompts), width)
         cache.batch_select_indices(index)
         pos = mask.sum(-1)[index]
         batch = _Batch(rows, cache, mask[index], torch.zeros(len(rows), dtype=torch.long), pos)
@@ -328,6 +335,8 @@ class CpuEngine:
             past_key_values=batch.cache,
             use_cache=True,
         ).logits[:, -1]
+        if self._routing_tap:
+            self._routing_tap.after_decode(batch.rows)
         batch.pos = batch.pos + 1
         self._sample_and_finish(batch, logits)
 

@@ -4,11 +4,12 @@ Each admitted prompt is one group of ``group_size`` samples and costs one buffer
 sample-granular refill (the default) every sample holds one of ``max_inflight_samples`` slots and a
 finished sample frees its slot at once; with group-granular refill a group takes all its slots
 before it starts and frees them when its last sample ends. Without credit nothing is admitted.
+What a group's samples are, how they are generated and scored is the rollout layers' business
+(producers/rollout.py: rollout, generate and agent functions, each an import path).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -16,10 +17,12 @@ import zlib
 from dataclasses import dataclass, field
 
 from milestream.config import Config
+from milestream.consumers.evaluation import SharedEvaluation
 from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
-from milestream.producers.engine import CpuEngine, Engine, GenerateRequest, GenerateResult, sampling_params
-from milestream.producers.tasks import build_input_ids, score
+from milestream.producers.engine import CpuEngine, Engine, sampling_params
+from milestream.producers.moe_routing import routing_records
+from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
@@ -33,21 +36,25 @@ STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 @dataclass
 class Group:
-    prompt: Prompt
+    task: GroupTask
     position: Position
-    input_ids: tuple[int, ...]
-    remaining: int
     submitted_at: float = field(default_factory=time.time)
 
     @property
+    def prompt(self) -> Prompt:
+        return self.task.prompt
+
+    @property
     def group_id(self) -> str:
-        return self.prompt.group_id
+        return self.task.prompt.group_id
 
 
 class RolloutWorker:
     def __init__(self, cfg: Config, worker_id: str, engine: Engine, tokenizer) -> None:
         self.cfg, self.worker_id, self.engine, self.tokenizer = cfg, worker_id, engine, tokenizer
-        self.sampling = sampling_params(cfg.rollout, tokenizer)
+        self.layers = load_layers(cfg)
+        self.ctx = RolloutContext(cfg, worker_id, engine, tokenizer, sampling_params(cfg.rollout, tokenizer),
+                                  self._generate_in_slot, self.layers.agent)
         self.producer = RecordProducer(cfg.broker, client_id=f"rollout-{worker_id}")
         self.prompts = RecordConsumer(cfg.broker, topics.PROMPTS, f"{cfg.broker.topic_prefix}rollout",
                                       deadletter=self.producer).subscribe()
@@ -56,8 +63,11 @@ class RolloutWorker:
         self.credit = Credit(cfg)
         self.offsets = OffsetTracker()
         self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
+        self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
+        # eval.mode shared (consumers/evaluation.py): this engine evaluates due versions; submissions wait meanwhile
+        self.evaluation = SharedEvaluation(cfg, worker_id, self.producer, tokenizer)
         self.samples_done = 0
         self.stalled_s = 0.0
 
@@ -72,19 +82,19 @@ class RolloutWorker:
         self.producer.flush()
         self.prompts.close()
         self.versions.close()
+        self.evaluation.close()  # eval.mode shared
 
     async def _admit_forever(self) -> None:
         await self.weights_ready.wait()
-        group_mode = self.cfg.rollout.refill == "group"
+        size = self.cfg.rollout.group_size
         while True:
             group = await self._next_group()
-            if group_mode:
-                for _ in range(group.remaining):
+            if self.group_refill:  # the group holds all its slots from start to end
+                for _ in range(size):
                     await self.slots.acquire()
-            for index in range(self.cfg.rollout.group_size):
-                if not group_mode:
-                    await self.slots.acquire()
-                self._spawn(self._sample(group, index, release_slot=not group_mode))
+            self._spawn(self._run_group(group))
+            # sample refill: the next prompt is taken once every sample of this one holds a slot
+            await group.task.admitted.wait()
 
     async def _next_group(self) -> Group:
         """Wait for a credit, then for a prompt; the credit is returned if no prompt comes."""
@@ -101,8 +111,7 @@ class RolloutWorker:
             prompt = delivery.records[0]
             self.credit.prompt_admitted()
             self.offsets.started(delivery.position.partition, delivery.position.offset)
-            input_ids = tuple(build_input_ids(self.tokenizer, prompt.question, self.cfg.data))
-            return Group(prompt, delivery.position, input_ids, self.cfg.rollout.group_size)
+            return Group(GroupTask(prompt, self.cfg.rollout.group_size), delivery.position)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -114,39 +123,52 @@ class RolloutWorker:
         if not task.cancelled() and task.exception() is not None:
             log.error("sample task failed", exc_info=task.exception())
 
-    async def _sample(self, group: Group, index: int, release_slot: bool) -> None:
-        request = GenerateRequest(request_id(group, index), group.input_ids, self.sampling)
+    async def _run_group(self, group: Group) -> None:
+        """The rollout function's samples of one group, each published as it comes."""
         try:
-            result = await self.engine.generate(request)
+            async for index, sample, reward in self.layers.rollout(self.ctx, group.task):
+                self._publish(group, index, sample, reward)
+                self.samples_done += 1
         finally:
-            if release_slot:
-                self.slots.release()
-        self._publish(group, index, result)
-        group.remaining -= 1
-        self.samples_done += 1
-        if group.remaining == 0:
-            if not release_slot:
-                for _ in range(self.cfg.rollout.group_size):
+            group.task.admitted.set()
+            if self.group_refill:
+                for _ in range(group.task.size):
                     self.slots.release()
-            self.producer.flush()
-            self.offsets.done(group.position.partition, group.position.offset)
-            self.prompts.commit(self.offsets.committable())
+        self.producer.flush()
+        self.offsets.done(group.position.partition, group.position.offset)
+        self.prompts.commit(self.offsets.committable())
 
-    def _publish(self, group: Group, index: int, result: GenerateResult) -> None:
-        text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-        reward = score(text, json.loads(group.prompt.entry_json), self.cfg.data)
-        n = len(result.output_ids)
+    async def _generate_in_slot(self, task: GroupTask, index: int) -> Sample:
+        """``ctx.generate``: the generate function, holding one of ``max_inflight_samples`` slots."""
+        if not self.group_refill:
+            await self.slots.acquire()
+        task.slots_taken += 1
+        if task.slots_taken >= task.size:
+            task.admitted.set()
+        try:
+            await self.evaluation.admission()  # eval.mode shared: a new submission waits out an evaluation
+            return await self.layers.generate(self.ctx, task.prompt, f"{task.prompt.group_id}/{index}")
+        finally:
+            if not self.group_refill:
+                self.slots.release()
+
+    def _publish(self, group: Group, index: int, sample: Sample, reward: float) -> None:
+        size = group.task.size
+        routing = routing_records(f"{group.group_id}/{index}", group.group_id, index, size, sample.routing)
         trajectory = Trajectory(
-            trajectory_id=request_id(group, index), group_id=group.group_id, prompt_id=group.prompt.prompt_id,
-            sample_index=index, group_size=self.cfg.rollout.group_size, prompt_ids=list(group.input_ids),
-            response_ids=list(result.output_ids), loss_mask=[1] * n, token_versions=list(result.versions),
-            reward=reward, status=STATUS[result.finish_reason], response_text=text, engine_id=self.worker_id,
-            worker_id=self.worker_id, submitted_at=group.submitted_at, finished_at=time.time(),
+            trajectory_id=f"{group.group_id}/{index}", group_id=group.group_id, prompt_id=group.prompt.prompt_id,
+            sample_index=index, group_size=size, prompt_ids=sample.prompt_ids, response_ids=sample.response_ids,
+            loss_mask=sample.loss_mask, token_versions=sample.versions, reward=reward,
+            status=STATUS[sample.finish_reason],
+            response_text=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
+            engine_id=self.worker_id, worker_id=self.worker_id, submitted_at=group.submitted_at,
+            finished_at=time.time(), routing_chunks=len(routing),
         )
-        logprobs = LogProbs(trajectory.trajectory_id, group.group_id, index, self.cfg.rollout.group_size,
-                            list(result.logprobs))
+        logprobs = LogProbs(trajectory.trajectory_id, group.group_id, index, size, sample.logprobs)
         self.producer.send(topics.TRAJECTORIES, [trajectory], key=group.group_id)
         self.producer.send(topics.LOGPROBS, [logprobs], key=group.group_id)
+        for chunk in routing:  # a message each: chunking keeps every message under the broker's limit
+            self.producer.send(topics.ROUTING, [chunk], key=group.group_id)
 
     async def _follow_weights(self, stop: asyncio.Event) -> None:
         """Apply each newer announced version (only the newest, unless the transport needs every one);
@@ -196,6 +218,7 @@ class RolloutWorker:
             return
         weights.acknowledge(self.producer, self.worker_id, record, tensors)
         log.info("engine %s now at weight version %d", self.worker_id, record.version)
+        await self.evaluation.maybe_evaluate(self.engine, record.version, record.step)  # eval.mode shared
 
     async def _report(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
         started = time.monotonic()
@@ -204,12 +227,9 @@ class RolloutWorker:
             elapsed = time.monotonic() - started
             values = {"samples": float(self.samples_done), "samples_per_s": self.samples_done / elapsed,
                       "inflight": float(len(self.tasks)), "stalled_s": self.stalled_s,
-                      "engine_version": float(self.engine.version)}
+                      "engine_version": float(self.engine.version),
+                      "update_pause_s": float(getattr(self.engine, "update_pause_s", 0.0))}
             self.producer.send(topics.METRICS, [Metrics(f"rollout/{self.worker_id}", int(elapsed), time.time(), values)])
-
-
-def request_id(group: Group, index: int) -> str:
-    return f"{group.group_id}/{index}"
 
 
 def run_worker(cfg: Config, worker_id: str) -> None:

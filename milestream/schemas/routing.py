@@ -1,9 +1,16 @@
 """Routing replay (R3) on the wire: the top-k expert ids of every token and layer, packed small.
 
 Miles keeps routing as int32 [tokens, layers, k]. Here an id takes the narrowest unsigned integer
-that holds the expert count (1 byte up to 256 experts, else 2), the array is zstd-compressed, and
-long trajectories are cut into chunks of ``chunk_tokens`` tokens so no record nears the broker's
-message limit. The processor joins a trajectory's chunks into its group sample unchanged.
+that holds the expert count (1 byte up to 256 experts, else 2), and long trajectories are cut into
+chunks of ``chunk_tokens`` tokens so no record nears the broker's message limit. The processor
+joins a trajectory's chunks into its group sample unchanged.
+
+Encoding ``zstd-sorted-delta`` (written now): a token's k ids are a set to the model (its output
+sums the k experts' outputs, each with the gate weight of its own id), so they are sorted and kept
+as the first id and the gaps to the next; the gaps are laid out slot-major [k, layers, tokens]
+with the bytes of a 2-byte id split into separate planes, so that zstd sees long runs of values
+with one distribution each. ``zstd`` (the first layout, still read): the ids as sampled,
+[tokens, layers, k], zstd-compressed. benchmarks/r3_size.py measures both against int32.
 """
 from __future__ import annotations
 
@@ -14,7 +21,8 @@ import zstandard
 
 from milestream.schemas.records import GroupSample, Routing
 
-COMPRESSION = "zstd"
+COMPRESSION = "zstd-sorted-delta"
+PLAIN_COMPRESSION = "zstd"  # the first layout: ids as sampled, token-major
 
 
 def id_width(num_experts: int) -> int:
@@ -36,25 +44,41 @@ def pack(trajectory_id: str, group_id: str, sample_index: int, group_size: int, 
         raise ValueError(f"expert ids must lie in [0, {num_experts})")
     tokens, layers, top_k = expert_ids.shape
     width = id_width(num_experts)
-    narrow = np.ascontiguousarray(expert_ids, dtype=_dtype(width))
     compressor = zstandard.ZstdCompressor(level=level)
     starts = range(0, max(tokens, 1), chunk_tokens)
     return [Routing(trajectory_id, group_id, sample_index, group_size, i, len(starts), tokens, layers, top_k,
-                    width, COMPRESSION, compressor.compress(narrow[start:start + chunk_tokens].tobytes()))
+                    width, COMPRESSION, compressor.compress(_planes(expert_ids[start:start + chunk_tokens], width)))
             for i, start in enumerate(starts)]
+
+
+def _planes(expert_ids: np.ndarray, width: int) -> bytes:
+    """Sorted ids as first id + gaps, slot-major, one byte plane per byte of the id width."""
+    ids = np.sort(expert_ids, axis=2)
+    gaps = np.diff(ids, axis=2, prepend=0).astype(_dtype(width))
+    planes = np.ascontiguousarray(gaps.transpose(2, 1, 0)).view(np.uint8).reshape(*gaps.shape[::-1], width)
+    return np.ascontiguousarray(np.moveaxis(planes, -1, 0)).tobytes()
+
+
+def _from_planes(raw: bytes, tokens: int, layers: int, top_k: int, width: int) -> np.ndarray:
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(width, top_k, layers, tokens)
+    gaps = np.ascontiguousarray(np.moveaxis(planes, 0, -1)).view(_dtype(width))[..., 0]
+    return np.cumsum(gaps.transpose(2, 1, 0), axis=2, dtype=np.int64)
 
 
 def unpack(layout: Sequence[int], compression: str, chunks: Sequence[bytes]) -> np.ndarray:
     """[tokens, layers, top_k] expert ids (int64) from the chunks of one trajectory, in order."""
     tokens, layers, top_k, width = layout
-    if compression != COMPRESSION:
+    if compression not in (COMPRESSION, PLAIN_COMPRESSION):
         raise ValueError(f"unknown routing compression {compression!r}")
     decompressor = zstandard.ZstdDecompressor()
-    raw = b"".join(decompressor.decompress(chunk) for chunk in chunks)
-    ids = np.frombuffer(raw, dtype=_dtype(width))
-    if ids.size != tokens * layers * top_k:
-        raise ValueError(f"routing holds {ids.size} ids, layout {list(layout)} needs {tokens * layers * top_k}")
-    return ids.reshape(tokens, layers, top_k).astype(np.int64)
+    raws = [decompressor.decompress(chunk) for chunk in chunks]
+    found = sum(len(raw) for raw in raws) // width
+    if found != tokens * layers * top_k:
+        raise ValueError(f"routing holds {found} ids, layout {list(layout)} needs {tokens * layers * top_k}")
+    if compression == PLAIN_COMPRESSION:
+        return np.frombuffer(b"".join(raws), dtype=_dtype(width)).reshape(tokens, layers, top_k).astype(np.int64)
+    per_chunk = [len(raw) // (width * layers * top_k) for raw in raws]
+    return np.concatenate([_from_planes(raw, n, layers, top_k, width) for raw, n in zip(raws, per_chunk)])
 
 
 def expert_ids(sample: GroupSample) -> np.ndarray | None:

@@ -33,6 +33,7 @@ import faust
 
 from milestream.config import Config
 from milestream.infra.kafka import topic_name
+from milestream.infra.security import faust_credentials
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
 from milestream.schemas.records import DeadLetter, Dropped, GroupSample, Metrics
@@ -218,6 +219,7 @@ def faust_settings(cfg: Config) -> dict[str, Any]:
     """The processor's faust settings (benchmarks/processor.py runs its plain forward on the same)."""
     return dict(
         broker=f"kafka://{cfg.broker.bootstrap_servers}",
+        broker_credentials=faust_credentials(cfg.broker.client),  # broker.client's SASL/SSL settings
         value_serializer="raw", key_serializer="raw",
         web_enabled=False, topic_allow_declare=False, topic_disable_leader=True,
         broker_session_timeout=6, broker_heartbeat_interval=1,

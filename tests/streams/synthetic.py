@@ -34,9 +34,10 @@ def trajectory(group_id: str, index: int, group_size: int, response_tokens: int 
 
 
 def expert_ids(group_id: str, index: int, tokens: int) -> np.ndarray:
-    """A trajectory's routing, derived from its id so a reader can recompute what was sent."""
+    """A trajectory's routing, derived from its id so a reader can recompute what was sent; each
+    token's ids sorted, as the wire keeps them (schemas/routing.py)."""
     seed = zlib.crc32(f"{group_id}/{index}".encode())
-    return np.random.default_rng(seed).integers(0, NUM_EXPERTS, size=(tokens, ROUTING_LAYERS, TOP_K))
+    return np.sort(np.random.default_rng(seed).integers(0, NUM_EXPERTS, size=(tokens, ROUTING_LAYERS, TOP_K)), axis=2)
 
 
 def routing_records(group_id: str, index: int, group_size: int, tokens: int) -> list[Record]:

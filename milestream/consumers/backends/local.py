@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,6 +21,7 @@ from milestream.consumers.backends.base import (LossFn, Microbatch, StepResult, 
                                                 optimizer_state_by_name, step_result, trainable_named_parameters)
 from milestream.consumers.logprobs import shared_prompt_forward
 from milestream.consumers.losses import ValueHead
+from milestream.consumers.routing_replay import replayed_forward
 from milestream.infra.model import load_model, load_trainable_state_dict, trainable_state_dict
 
 
@@ -47,18 +49,26 @@ class LocalBackend:
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
 
-    def logprobs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float) -> Tensor:
+    def logprobs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float,
+                 routing: Sequence[np.ndarray] | None = None) -> Tensor:
+        """``routing``: each response's recorded MoE expert ids to replay (consumers/routing_replay.py)."""
         with compute_context(self.cfg.model, self.device):
-            return shared_prompt_forward(self.model, prompt_ids, responses, temperature)[0]
+            return self._policy_forward(prompt_ids, responses, temperature, routing, hidden=False)[0]
 
     def logprobs_and_values(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
-                            temperature: float) -> tuple[Tensor, Tensor]:
+                            temperature: float, routing: Sequence[np.ndarray] | None = None) -> tuple[Tensor, Tensor]:
         """The log-probs and the value head's V [G, T] of the state before each response token."""
         if self.value_head is None:
             raise ValueError("values need the value head: trainer.advantage_estimator=ppo")
         with compute_context(self.cfg.model, self.device):
-            logp, hidden = shared_prompt_forward(self.model, prompt_ids, responses, temperature, hidden=True)
+            logp, hidden = self._policy_forward(prompt_ids, responses, temperature, routing, hidden=True)
             return logp, self.value_head(hidden.float())
+
+    def _policy_forward(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float,
+                        routing: Sequence[np.ndarray] | None, hidden: bool) -> tuple[Tensor, Tensor | None]:
+        if routing is None:
+            return shared_prompt_forward(self.model, prompt_ids, responses, temperature, hidden=hidden)
+        return replayed_forward(self.model, prompt_ids, responses, routing, temperature, hidden=hidden)
 
     def reference_logprobs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
                            temperature: float) -> Tensor:

@@ -1,0 +1,142 @@
+"""Tool-use environments on reasoning-gym questions, tools run in a per-episode sandbox.
+
+Two agent functions (``rollout.agent_fn``, with ``rollout.generate_fn``
+``milestream.producers.rollout:agent_episode``), for up to ``rollout.max_turns`` assistant turns:
+
+- ``python_tool_agent``: function calling. The tools ``python`` (run code, get what it prints) and
+  ``calculator`` (one arithmetic expression) are offered through the chat template; the policy calls
+  them with ``<tool_call>`` blocks and answers when it stops calling.
+- ``interpreter_agent``: a code interpreter, for models too small to call functions (SmolLM2-135M
+  never emits a tool call): every assistant message without an ``<answer>`` tag is run as Python,
+  REPL-style (the last expression's value is printed), and the output, or the error, comes back
+  as a tool turn; a message with the tag ends the episode.
+
+Each episode has its own sandbox (a fresh folder, a subprocess with time, memory and no-network
+limits, removed afterwards). Tool results enter the conversation as ``tool`` messages; the session
+records them with loss mask 0, so the policy is trained only on its own tokens. The final
+assistant message is what the task's verifier scores.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from milestream.config import SandboxConfig
+from milestream.producers.environments.sandbox import Sandbox, SandboxLimits, ToolRun
+from milestream.producers.rollout import ChatFn, Episode, RolloutContext
+from milestream.schemas.records import Prompt
+
+TOOLS: list[dict] = [
+    {"type": "function", "function": {
+        "name": "python", "description": "Run Python 3 code in a fresh sandbox and return what it prints.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
+    {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate one arithmetic expression, e.g. 12 * (3 - 5).",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}},
+]
+TOOL_HINT = " You may call the python or calculator tool first; finish with the answer."
+INTERPRETER_HINT = (" Every message you write without an <answer> tag is run as Python and you are shown what it "
+                    "prints (or the value of its last expression). Compute, then reply with the answer tag.")
+
+# the calculator evaluates in the sandbox too: no names but math's, no builtins
+_CALCULATOR = "import math\nprint(eval({expression!r}, {{'__builtins__': {{}}}}, vars(math)))\n"
+# a message run as a REPL cell: everything, then the value of a final expression printed
+_REPL = """import ast
+tree = ast.parse({code!r})
+last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+scope = {{"__name__": "__main__"}}
+exec(compile(tree, "<cell>", "exec"), scope)
+if last is not None:
+    value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), scope)
+    if value is not None:
+        print(value)
+"""
+_FENCE = re.compile(r"```(?:python|py)?\n?(.*?)```", re.DOTALL)
+
+
+def limits(cfg: SandboxConfig) -> SandboxLimits:
+    return SandboxLimits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, max_output_chars=cfg.max_output_chars)
+
+
+async def python_tool_agent(chat: ChatFn, prompt: Prompt, ctx: RolloutContext) -> Episode:
+    def act(sandbox: Sandbox, reply: dict) -> list[dict] | None:
+        calls = reply.get("tool_calls") or []
+        return [{"role": "tool", "name": _function(call).get("name", ""), "content": run_tool_call(sandbox, call)}
+                for call in calls] or None
+
+    return await _episode(chat, prompt, ctx, TOOL_HINT, TOOLS, act)
+
+
+async def interpreter_agent(chat: ChatFn, prompt: Prompt, ctx: RolloutContext) -> Episode:
+    def act(sandbox: Sandbox, reply: dict) -> list[dict] | None:
+        content = reply.get("content") or ""
+        return None if "<answer>" in content else [{"role": "tool", "name": "python",
+                                                     "content": run_cell(sandbox, content)}]
+
+    return await _episode(chat, prompt, ctx, INTERPRETER_HINT, None, act)
+
+
+async def _episode(chat: ChatFn, prompt: Prompt, ctx: RolloutContext, hint: str, tools: list[dict] | None,
+                   act: Callable[[Sandbox, dict], list[dict] | None]) -> Episode:
+    """The question, then turns until ``act`` finds no tool work in a reply (the final answer) or
+    ``rollout.max_turns`` runs out; ``act`` runs the tools (off the event loop) into tool messages."""
+    messages: list[dict] = [{"role": "system", "content": ctx.cfg.data.system_prompt + hint},
+                            {"role": "user", "content": prompt.question}]
+    tool_turns = 0
+    with Sandbox(limits(ctx.cfg.sandbox)) as sandbox:
+        for _ in range(ctx.cfg.rollout.max_turns):
+            reply = await chat(messages, tools)
+            messages.append(reply)
+            results = await asyncio.to_thread(act, sandbox, reply)
+            if results is None:
+                return Episode(answer_text=reply.get("content") or "", tool_calls=tool_turns)
+            tool_turns += len(results)
+            messages.extend(results)
+    return Episode(answer_text="", tool_calls=tool_turns)  # out of turns while still using tools
+
+
+def run_cell(sandbox: Sandbox, content: str) -> str:
+    """A message as a REPL cell: its fenced code if it has some, else the whole message."""
+    fenced = _FENCE.findall(content)
+    return _tool_text(sandbox, sandbox.run_python(_REPL.format(code="\n".join(fenced) if fenced else content)))
+
+
+def run_tool_call(sandbox: Sandbox, call: dict) -> str:
+    """The text a tool call gives back to the model; a bad call gets an error message, not an exception."""
+    function = _function(call)
+    name, arguments = function.get("name"), _arguments(function.get("arguments"))
+    if name == "python" and isinstance(arguments.get("code"), str):
+        run = sandbox.run_python(arguments["code"])
+    elif name == "calculator" and isinstance(arguments.get("expression"), str):
+        run = sandbox.run_python(_CALCULATOR.format(expression=arguments["expression"]))
+    else:
+        return f"error: unknown tool call {json.dumps(function)[:200]}; tools: python(code), calculator(expression)"
+    return _tool_text(sandbox, run)
+
+
+def _tool_text(sandbox: Sandbox, run: ToolRun) -> str:
+    if run.timed_out:
+        return f"error: timed out after {sandbox.limits.timeout_s:g} s"
+    if run.ok:
+        return run.stdout
+    # the exception line is what a model can act on; the sandbox's own frames are noise to it
+    lines = run.stderr.strip().splitlines() or [f"exit status {run.exit_code}"]
+    return f"error: {lines[-1][:500]}"
+
+
+def _function(call: dict) -> dict:
+    return call.get("function", call) if isinstance(call, dict) else {}
+
+
+def _arguments(raw: Any) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        parsed = json.loads(raw) if isinstance(raw, str) else {}
+    except json.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
