@@ -69,13 +69,13 @@ class RolloutConfig(Section):
     max_batch: int = 32  # engine batch (samples generated together)
     refill: Literal["sample", "group"] = "sample"
     num_workers: int = 1
+    # None: each worker runs a CpuEngine in-process; a URL: engines behind SGLang's HTTP API (an engine
+    # server, `milestream router` in front of several, or SGLang servers); a sample's turns share an engine
+    engine_url: str | None = None
     # the three plug-in layers (producers/rollout.py), each an import path, outermost first
     rollout_fn: str = "milestream.producers.rollout:score_each"  # a group: samples, rewards
     generate_fn: str = "milestream.producers.rollout:single_turn"  # one sample: generation, tokens
-    agent_fn: str | None = None  # a multi-turn episode loop (with generate_fn ...:agent_episode)
-    # when a multi-turn request extends a stored history (producers/sessions): strict compares every
-    # field the chat template reads; loose only roles and visible text (see docs/sessions.md)
-    session_match: Literal["strict", "template", "loose"] = "strict"
+    agent_fn: str | None = None  # a multi-turn episode loop (with generate_fn ...:agent_episode; sessions.match)
     max_turns: int = 4  # assistant turns per episode (agents read it)
     max_context_tokens: int = 1024  # an episode ends (truncated) before a turn would pass this
 

@@ -63,7 +63,9 @@ class Episode:
 
 
 class ChatFn(Protocol):
-    async def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> dict: ...
+    """The policy's next assistant message; ``prefill`` opens it for the model (not trained on)."""
+
+    async def __call__(self, messages: list[dict], tools: list[dict] | None = None, prefill: str = "") -> dict: ...
 
 
 GenerateFn = Callable[["RolloutContext", Prompt, str], Awaitable[Sample]]
@@ -133,7 +135,7 @@ async def single_turn(ctx: RolloutContext, prompt: Prompt, request_id: str) -> S
 
 async def agent_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) -> Sample:
     """The agent function's episode over a token-in-token-out session: one sample, exact tokens."""
-    session = TokenSession(chat_template(ctx.tokenizer), match=ctx.cfg.rollout.session_match)
+    session = TokenSession(chat_template(ctx.tokenizer), match=ctx.cfg.sessions.match)
     chat = _SessionChat(ctx, session, request_id)
     try:
         episode = await ctx.agent(chat, prompt, ctx)
@@ -161,8 +163,8 @@ class _SessionChat:
         self.tool_calls_seen = 0
         self.finish_reason: FinishReason = "stop"
 
-    async def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> dict:
-        input_ids = self.session.prompt_ids(messages, tools)
+    async def __call__(self, messages: list[dict], tools: list[dict] | None = None, prefill: str = "") -> dict:
+        input_ids = self.session.prompt_ids(messages, tools, prefill)
         limit = self.ctx.cfg.rollout.max_context_tokens
         if len(input_ids) + self.ctx.sampling.max_new_tokens > limit:
             self.finish_reason = "length"

@@ -232,10 +232,22 @@ class RolloutWorker:
             self.producer.send(topics.METRICS, [Metrics(f"rollout/{self.worker_id}", int(elapsed), time.time(), values)])
 
 
+def make_engine(cfg: Config, worker_id: str) -> Engine:
+    """An in-process CpuEngine, or (``rollout.engine_url``) engines behind SGLang's HTTP API: one
+    engine server, milestream's router, or SGLang servers behind it; weight versions reach them as
+    disk files this worker stages under the run folder."""
+    if cfg.rollout.engine_url:
+        from milestream.producers.http_engine import HttpEngine
+
+        return HttpEngine(cfg.rollout.engine_url, weights_dir=cfg.run_path / "engine-weights" / worker_id,
+                          key_header=cfg.router.key_header)
+    seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
+    return CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
+
+
 def run_worker(cfg: Config, worker_id: str) -> None:
     configure_process(cfg.model)
-    seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
-    engine = CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
+    engine = make_engine(cfg, worker_id)
     worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model))
 
     async def main() -> None:

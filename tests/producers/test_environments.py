@@ -50,7 +50,8 @@ class ScriptedEngine:
         if request.request_id.endswith("/turn0"):
             text = self.first_turn(re.search(r"problem: (.*) =", shown).group(1))
         else:
-            text = f"<answer>{shown.rsplit('<|im_start|>tool', 1)[1].split()[0]}</answer>"
+            result = shown.rsplit('<|im_start|>tool', 1)[1].split()[0]
+            text = f"{result}</answer>" if shown.endswith("<answer>") else f"<answer>{result}</answer>"
         ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (self.tokenizer.eos_token_id,)
         return GenerateResult(request.request_id, ids, tuple(-0.5 for _ in ids), (self._version,) * len(ids), "stop")
 
@@ -103,10 +104,10 @@ def test_tool_calls_give_text_back_never_raise():
 
 
 def test_interpreter_episode_runs_each_message_as_a_cell(cfg):
-    """agent_episode + interpreter_agent without a broker: the tool turn carries the cell's output."""
-    cfg = cfg.with_overrides(rollout={"generate_fn": TOOL_LAYERS["generate_fn"], "max_new_tokens": 64,
-                                      "agent_fn": "milestream.producers.environments.tool_use:interpreter_agent"},
-                             data={"assistant_prefill": ""})
+    """agent_episode + interpreter_agent without a broker: the tool turn carries the cell's output,
+    the last turn opens with the task's prefill (not trained on)."""
+    cfg = cfg.with_overrides(rollout={"generate_fn": TOOL_LAYERS["generate_fn"], "max_new_tokens": 64, "max_turns": 2,
+                                      "agent_fn": "milestream.producers.environments.tool_use:interpreter_agent"})
     tokenizer = load_tokenizer(cfg.model)
     engine = ScriptedEngine(tokenizer, first_turn=lambda expression: f"```python\n{expression}\n```")
     layers = load_layers(cfg)
@@ -121,7 +122,8 @@ def test_interpreter_episode_runs_each_message_as_a_cell(cfg):
     assert sample.turns == 2 and sample.tool_calls == 1 and sample.finish_reason == "stop"
     assert ctx.reward(sample, prompt) == pytest.approx(1.1)
     tool_span = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m == 0])
-    assert f"tool\n{task.answer}\n" in tool_span
+    assert f"tool\n{task.answer}\n" in tool_span and tool_span.endswith("assistant\n<answer>")
+    assert tokenizer.decode(sample.response_ids).endswith(f"<answer>{task.answer}</answer><|im_end|>")
 
 
 # ---- an episode through the worker ----------------------------------------------------------------------

@@ -9,7 +9,8 @@ Two agent functions (``rollout.agent_fn``, with ``rollout.generate_fn``
 - ``interpreter_agent``: a code interpreter, for models too small to call functions (SmolLM2-135M
   never emits a tool call): every assistant message without an ``<answer>`` tag is run as Python,
   REPL-style (the last expression's value is printed), and the output, or the error, comes back
-  as a tool turn; a message with the tag ends the episode.
+  as a tool turn; a message with the tag ends the episode. The last allowed turn is opened with
+  the task's ``data.assistant_prefill`` (``<answer>``), so every episode ends in an answer.
 
 Each episode has its own sandbox (a fresh folder, a subprocess with time, memory and no-network
 limits, removed afterwards). Tool results enter the conversation as ``tool`` messages; the session
@@ -40,7 +41,7 @@ TOOLS: list[dict] = [
 ]
 TOOL_HINT = " You may call the python or calculator tool first; finish with the answer."
 INTERPRETER_HINT = (" Every message you write without an <answer> tag is run as Python and you are shown what it "
-                    "prints (or the value of its last expression). Compute, then reply with the answer tag.")
+                    "prints (or the value of its last expression). Compute first; your last message is the answer.")
 
 # the calculator evaluates in the sandbox too: no names but math's, no builtins
 _CALCULATOR = "import math\nprint(eval({expression!r}, {{'__builtins__': {{}}}}, vars(math)))\n"
@@ -77,23 +78,25 @@ async def interpreter_agent(chat: ChatFn, prompt: Prompt, ctx: RolloutContext) -
         return None if "<answer>" in content else [{"role": "tool", "name": "python",
                                                      "content": run_cell(sandbox, content)}]
 
-    return await _episode(chat, prompt, ctx, INTERPRETER_HINT, None, act)
+    return await _episode(chat, prompt, ctx, INTERPRETER_HINT, None, act, ctx.cfg.data.assistant_prefill)
 
 
 async def _episode(chat: ChatFn, prompt: Prompt, ctx: RolloutContext, hint: str, tools: list[dict] | None,
-                   act: Callable[[Sandbox, dict], list[dict] | None]) -> Episode:
+                   act: Callable[[Sandbox, dict], list[dict] | None], last_prefill: str = "") -> Episode:
     """The question, then turns until ``act`` finds no tool work in a reply (the final answer) or
-    ``rollout.max_turns`` runs out; ``act`` runs the tools (off the event loop) into tool messages."""
+    ``rollout.max_turns`` runs out; ``act`` runs the tools (off the event loop) into tool messages.
+    The last turn opens with ``last_prefill``; the answer text is what follows the task's prefill."""
     messages: list[dict] = [{"role": "system", "content": ctx.cfg.data.system_prompt + hint},
                             {"role": "user", "content": prompt.question}]
     tool_turns = 0
     with Sandbox(limits(ctx.cfg.sandbox)) as sandbox:
-        for _ in range(ctx.cfg.rollout.max_turns):
-            reply = await chat(messages, tools)
+        for turn in range(ctx.cfg.rollout.max_turns):
+            reply = await chat(messages, tools, last_prefill if turn == ctx.cfg.rollout.max_turns - 1 else "")
             messages.append(reply)
             results = await asyncio.to_thread(act, sandbox, reply)
             if results is None:
-                return Episode(answer_text=reply.get("content") or "", tool_calls=tool_turns)
+                answer = (reply.get("content") or "").removeprefix(ctx.cfg.data.assistant_prefill)
+                return Episode(answer_text=answer, tool_calls=tool_turns)
             tool_turns += len(results)
             messages.extend(results)
     return Episode(answer_text="", tool_calls=tool_turns)  # out of turns while still using tools

@@ -69,6 +69,7 @@ class Turn:
     tools_key: str
     appended_ids: tuple[int, ...]
     prompt_ids: tuple[int, ...]  # what the engine continues: the parent's ids + appended_ids
+    prefill: str = ""  # the opening of the assistant turn, written for the model (part of appended_ids)
 
 
 class TokenSession:
@@ -81,10 +82,11 @@ class TokenSession:
         self._extended: set[int] = set()  # ids of nodes some later turn extends (not leaves)
         self._pending: Turn | None = None
 
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None, prefill: str = "") -> list[int]:
         """The ids to send to the engine for the next assistant turn: the exact ids of the longest
-        stored history that ``messages`` extends + the new messages tokenized + the generation prompt."""
-        self._pending = self.begin(messages, tools)
+        stored history that ``messages`` extends + the new messages tokenized + the generation prompt
+        (+ ``prefill``, an opening of the assistant turn the model continues; loss mask 0)."""
+        self._pending = self.begin(messages, tools, prefill)
         return list(self._pending.prompt_ids)
 
     def record(self, output_ids: list[int], logprobs: list[float], versions: list[int]) -> dict:
@@ -95,7 +97,7 @@ class TokenSession:
         turn, self._pending = self._pending, None
         return self.finish(turn, output_ids, logprobs, versions)
 
-    def begin(self, messages: list[dict], tools: list[dict] | None = None) -> Turn:
+    def begin(self, messages: list[dict], tools: list[dict] | None = None, prefill: str = "") -> Turn:
         """``prompt_ids`` for callers with several turns in flight on one session (the HTTP service)."""
         validate_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -106,9 +108,10 @@ class TokenSession:
         history = parent.messages if parent else ()
         new = copy.deepcopy(messages[len(history):])
         appended = tuple(self.template.encode(self.template.continuation(history, new, tools)))
+        appended += tuple(self.template.encode(prefill)) if prefill else ()
         known = parent.keys if parent else ()
         return Turn(parent, (*history, *new), (*known, *keys[len(known):]), tools_key, appended,
-                    _ids(parent) + appended)
+                    _ids(parent) + appended, prefill)
 
     def finish(self, turn: Turn, output_ids: Sequence[int], logprobs: Sequence[float],
                versions: Sequence[int]) -> dict:
@@ -119,7 +122,7 @@ class TokenSession:
         generated = [int(token) for token in output_ids]
         closed = bool(generated) and generated[-1] == self.template.end_of_turn_id
         text = self.template.decode(generated[:-1] if closed else generated)
-        message = self.template.parse_assistant(text)
+        message = self.template.parse_assistant(turn.prefill + text)
         for index, call in enumerate(message.get("tool_calls", ())):
             call["id"] = f"call_{len(self._nodes)}_{index}"
         closing = () if closed else (self.template.end_of_turn_id,)  # scaffolding: see the module doc

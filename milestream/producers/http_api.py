@@ -1,0 +1,103 @@
+"""What the CPU engine server and the router share on the wire: SGLang's error body, JSON field checks
+that name the offending field (and index), and the middleware that turns a bad field into HTTP 400.
+
+Kept free of torch so the router process starts in a fraction of a second.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+
+# sglang-router's `manual` policy reads the same header, so one client serves both routers
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+class BadRequest(ValueError):
+    """A request field the server cannot accept; the message names the field (and index)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """SGLang's error body (``ErrorResponse``), so SGLang clients read our errors unchanged."""
+    body = {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status}
+    return web.json_response(body, status=status)
+
+
+def reply_message(text: str) -> str:
+    """The ``message`` of an SGLang JSON reply (error or result), else the text itself."""
+    try:
+        return str(json.loads(text)["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:500]
+
+
+@web.middleware
+async def bad_request_as_400(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(HTTPStatus.BAD_REQUEST, str(exc))
+
+
+async def json_object(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object; ``optional``: an empty body reads as ``{}``."""
+    if optional and not await request.read():
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise BadRequest("request body", f"not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body", f"expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def int_field(value: Any, field: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(field, f"expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise BadRequest(field, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def int_list(value: Any, field: str) -> list[int]:
+    if not isinstance(value, list):
+        raise BadRequest(field, f"expected a list of integers, got {type(value).__name__}")
+    return [int_field(item, f"{field}[{index}]", minimum=0) for index, item in enumerate(value)]
+
+
+def number_field(value: Any, field: str, *, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(field, f"expected a number, got {value!r}")
+    if value < minimum:
+        raise BadRequest(field, f"must be at least {minimum}, got {value}")
+    return float(value)
+
+
+async def serve_app(app: web.Application, host: str, port: int, *, name: str,
+                    on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT. Prints ``<name> serving http://HOST:PORT`` once the port is
+    bound (port 0 picks a free one), which is what a parent process waits for."""
+    runner = web.AppRunner(app, access_log=None)  # a line per request costs more than the routing
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    bound_port = runner.addresses[0][1]
+    print(f"{name} serving http://{host}:{bound_port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    if on_stop is not None:
+        await on_stop()
