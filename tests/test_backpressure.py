@@ -34,16 +34,19 @@ def test_paused_trainer_stalls_rollout_within_capacity(cfg, tmp_path):
         return len(emitted)
 
     try:
-        wait_for(lambda: credit.prompts_admitted() >= 1, what="rollout admitted a prompt")
+        # stopped before it can take a group (stopping it after the first admission raced with a
+        # trainer that, on a loaded machine, had already trained two steps by then)
         os.kill(trainer.proc.pid, signal.SIGSTOP)
         # with the trainer stopped, rollout fills the buffer to capacity and then admits nothing more
-        wait_for(lambda: credit.available() == 0, what="credit exhausted")
+        # (a worker holds a credit for a moment while it polls for a prompt: wait for the admissions too)
+        wait_for(lambda: credit.prompts_admitted() >= cfg.buffer_capacity and credit.available() == 0,
+                 what="credit exhausted")
         admitted = credit.prompts_admitted()
         for _ in range(10):  # 10 s of watching: nothing new is admitted, the buffer never exceeds capacity
             time.sleep(1.0)
             assert credit.prompts_admitted() == admitted
             assert credit.queued() <= cfg.buffer_capacity
-            assert count_emitted() <= cfg.buffer_capacity + cfg.trainer.batch_groups  # at most one batch was taken
+            assert count_emitted() <= cfg.buffer_capacity  # nothing was taken, so nothing beyond capacity
         os.kill(trainer.proc.pid, signal.SIGCONT)
         trainer.proc.wait(300)
         assert trainer.proc.returncode == 0
