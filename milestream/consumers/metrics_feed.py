@@ -58,7 +58,10 @@ class TopicFeed:
             except KeyError:
                 raise RuntimeError(f"topic {topic_name(cfg.broker, spec)!r} does not exist on "
                                    f"{cfg.broker.bootstrap_servers}: is broker.topic_prefix the run's?") from None
-            self.consumers.append(RecordConsumer(cfg.broker, spec, group_id).assign(partitions=partitions))
+            # observers tolerate half a second of lag; the loop's short fetch wait would have the broker
+            # answer tens of empty fetches a second per consumer, CPU the loop's own stages want
+            self.consumers.append(RecordConsumer(cfg.broker, spec, group_id, **{"fetch.wait.max.ms": "500"})
+                                  .assign(partitions=partitions))
 
     def poll(self, timeout: float, limit: int = 1000) -> list[Observed]:
         """What arrived on any topic within about ``timeout`` (at most ``limit`` deliveries per topic)."""
