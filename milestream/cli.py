@@ -40,6 +40,16 @@ def build_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
+def run_configuration(cfg: Config, args: argparse.Namespace) -> Config:
+    """For commands that read a run (metrics, plot, replay): the run's own RUN_DIR/config.yaml (its
+    broker, topic prefix, model, rules) with this command line's overrides; ``cfg`` itself when
+    ``--config`` was given or the folder holds none."""
+    saved = cfg.run_path / "config.yaml"
+    if args.config or not saved.exists():
+        return cfg
+    return build_config(argparse.Namespace(**{**vars(args), "config": str(saved)}))
+
+
 def _run(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.orchestrator import run_loop
 
@@ -91,9 +101,7 @@ def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _metrics(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.metrics_feed import attach_to_run
-
-    cfg = attach_to_run(cfg, args.overrides)
+    cfg = run_configuration(cfg, args)
     port = args.prometheus_port if args.prometheus_port is not None else (9464 if args.serve else None)
     if port is None and not args.jsonl:
         from milestream.consumers.metrics_live import watch
@@ -107,10 +115,9 @@ def _metrics(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _plot(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.metrics_feed import attach_to_run
     from milestream.consumers.plots import plot_run
 
-    for path in plot_run(attach_to_run(cfg, args.overrides), args.source, args.out):
+    for path in plot_run(run_configuration(cfg, args), args.source, args.out):
         print(f"wrote {path}")
     return 0
 
@@ -193,12 +200,12 @@ def _replay(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.consumers import replay, replay_cli
 
     if replay_cli.wants(args):  # select, list, show, export, re-drive
-        return replay_cli.run(cfg, args)
+        return replay_cli.run(run_configuration(cfg, args), args)
     run_dir = cfg.run.run_dir
     if args.step is not None:
         from milestream.consumers.step_replay import replay_step
 
-        result = replay_step(replay_cli.run_config(cfg, args), run_dir, args.step)
+        result = replay_step(run_configuration(cfg, args), run_dir, args.step)
         print(json.dumps({"step": result.step, "from_checkpoint": result.from_checkpoint, "logged": result.logged,
                           "replayed": result.replayed, "bitwise_equal": result.bitwise_equal}))
         return 0 if result.bitwise_equal else 1

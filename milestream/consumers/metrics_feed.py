@@ -16,9 +16,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Iterable, Iterator, Protocol
 
-from milestream.config import Config, load_config
+from milestream.config import Config
 from milestream.consumers.archive import iter_rows, load_manifest
 from milestream.infra.kafka import Admin, RecordConsumer, topic_name
 from milestream.schemas import topics
@@ -117,12 +117,3 @@ def follow(feed: TopicFeed, observers: Iterable[Observer], stop: threading.Event
         for item in feed.poll(poll_s):
             for observer in observers:
                 observer.observe(item)
-
-
-def attach_to_run(cfg: Config, overrides: Sequence[str] = ()) -> Config:
-    """Without a broker given, the configuration of the run in ``run.run_dir`` when it has one (its
-    config.yaml names the broker and the topic prefix), with the same ``overrides`` applied."""
-    run_config = cfg.run_path / "config.yaml"
-    if cfg.broker.bootstrap_servers or not run_config.exists():
-        return cfg
-    return load_config(run_config, [*overrides, f"run.run_dir={cfg.run.run_dir}"])

@@ -52,16 +52,6 @@ def wants(args: argparse.Namespace) -> bool:
         getattr(args, name) not in (None, []) for name in SELECTORS)
 
 
-def run_config(cfg: Config, args: argparse.Namespace) -> Config:
-    """The run's configuration with this command line's overrides, unless ``--config`` was given."""
-    from milestream.cli import build_config
-
-    saved = cfg.run_path / "config.yaml"
-    if args.config or not saved.exists():
-        return cfg
-    return build_config(argparse.Namespace(**{**vars(args), "config": str(saved)}))
-
-
 def selection(args: argparse.Namespace) -> Selection:
     steps = parse_span(args.steps, "--steps") if args.steps else None if args.step is None else (args.step, args.step)
     offsets = None
@@ -81,10 +71,11 @@ def text_decoder(cfg: Config):
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
+    """``cfg``: the run's configuration (cli.run_configuration)."""
     from milestream.consumers.step_replay import StepReplayError
 
     try:
-        return _act(run_config(cfg, args), args)
+        return _act(cfg, args)
     except (RecordError, SelectionError, StepReplayError) as exc:  # bad input or selection: say which, no trace
         print(f"milestream replay: {exc}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ from milestream.producers.engine import CpuEngine, GenerateRequest, GenerateResu
 from milestream.producers.http_api import (BadRequest, bad_request_as_400, error_response, int_field, int_list,
                                            json_object, number_field, serve_app)
 from milestream.streams.weights.base import WeightVerificationError, version_of
-from milestream.streams.weights.delta import DeltaReceiver
+from milestream.streams.weights.disk import read_verified_full
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # accepted only at the value that leaves sampling unchanged
@@ -180,7 +180,7 @@ class EngineServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         path, version = parse_update_from_disk(await json_object(request))
         try:
-            tensors = await asyncio.to_thread(DeltaReceiver._load_full, path, version)
+            tensors = await asyncio.to_thread(read_verified_full, path, version)
             await self.engine.update_weights(version, tensors)
         except (OSError, ValueError, WeightVerificationError) as exc:
             return web.json_response({"success": False, "message": f"{path}: {exc}", "num_paused_requests": 0},

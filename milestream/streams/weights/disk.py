@@ -18,7 +18,7 @@ from milestream.config import Config
 from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
 from milestream.schemas.records import WeightVersion
-from milestream.streams.weights.base import (NO_BASE, WeightVerificationError, checksums, cpu_tensors, verify,
+from milestream.streams.weights.base import (NO_BASE, WeightVerificationError, checksum, checksums, cpu_tensors, verify,
                                              version_of, weights_dir, write_atomically)
 
 
@@ -103,6 +103,16 @@ def publish_version(producer: RecordProducer, run_dir: str | Path, version: int,
     record = announce(producer, version, step, DiskSender.transport, path, NO_BASE, names, sums, nbytes(tensors))
     prune(folder, keep_from=version - keep + 1)
     return record
+
+
+def read_verified_full(path: Path, version: int) -> dict[str, Tensor]:
+    """A full version file's tensors, checked against the checksums written into it."""
+    tensors, stored = read_full(path)
+    actual = {name: checksum(tensor) for name, tensor in tensors.items()}
+    bad = sorted(n for n in stored.keys() | actual.keys() if stored.get(n) != actual.get(n)) if stored else []
+    if bad:
+        raise WeightVerificationError(f"full version {version} at {path} fails its own checksums: {bad[:3]}")
+    return tensors
 
 
 def load_version(record: WeightVersion) -> dict[str, Tensor]:
