@@ -14,7 +14,7 @@ trajectory lengths (the k-th sample admitted gets the k-th length of one seeded 
 Real: the buffer bound and its accounting run through milestream's own code on a real redis-server —
 ``streams.credit.Credit`` (take on admission, leave on take / stale drop), ``streams.processor.Settlements``
 (a finished group settled as emitted, queued in Redis), the data selector named by ``buffer.selector``
-(``consumers.collector.fifo``) over ``PooledGroup``s, and ``streams.groups`` staleness; the knobs are the
+(``train.collector.fifo``) over ``PooledGroup``s, and ``streams.groups`` staleness; the knobs are the
 Config's (batch groups, group size, buffer capacity, staleness bound). Left out: the processor's early
 stale drop (the trainer's drop at collection catches the same groups later) and broker latency.
 Modelled (and printed under ``model``): engine speed — continuous batching, every active sequence gains
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from milestream.config import Config, import_path, load_config
-from milestream.consumers.collector import PooledGroup
+from milestream.train.collector import PooledGroup
 from milestream.infra.services import EmbeddedRedis
 from milestream.schemas.codec import Position
 from milestream.streams.credit import Credit
@@ -333,7 +333,7 @@ def main() -> None:
                   "trainer": "step = train_base_s + train_per_token_s * response tokens",
                   "lengths": "lognormal(log(length_median), length_sigma) clipped to [16, length_max], same draw for both"},
         "real": ["streams.credit.Credit on redis-server", "streams.processor.Settlements", "buffer.selector "
-                 + cfg.buffer.selector, "consumers.collector.PooledGroup", "streams.groups.staleness"],
+                 + cfg.buffer.selector, "train.collector.PooledGroup", "streams.groups.staleness"],
         "wall_s": round(wall_s, 2),
     }))
 

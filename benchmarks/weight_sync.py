@@ -51,7 +51,7 @@ TIMEOUT_S = 300.0
 # ---- the versions --------------------------------------------------------------------------------
 
 def synthetic_batch(rng: random.Random, groups: int = 2, size: int = 4, prompt: int = 40, response: int = 12):
-    from milestream.consumers.learner import CollectedGroup
+    from milestream.train.learner import CollectedGroup
     from milestream.schemas.records import GroupSample
 
     batch = []
@@ -67,7 +67,7 @@ def synthetic_batch(rng: random.Random, groups: int = 2, size: int = 4, prompt: 
 
 def trained_versions(steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """The exported weights before the first step and after each one (fp32 copies)."""
-    from milestream.consumers.learner import Learner
+    from milestream.train.learner import Learner
     from milestream.infra.model import configure_process
 
     cfg = Config().with_overrides(model={"name": MODEL, "lora_rank": 0, "threads": os.cpu_count() or 1},

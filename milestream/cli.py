@@ -72,20 +72,20 @@ def _process(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _train(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.backends import launch
+    from milestream.train.backends import launch
 
     # local: in this process; fsdp2 / megatron: trainer.ranks processes under torchrun, which passes
     # a SIGTERM on to them (raised here as SystemExit, so launch stops torchrun instead of orphaning it)
     if cfg.trainer.backend != "local":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    launch(cfg, "milestream.consumers.trainer:run_trainer", nproc=cfg.trainer.ranks)
+    launch(cfg, "milestream.train.trainer:run_trainer", nproc=cfg.trainer.ranks)
     return 0
 
 
 def _sft(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.backends import launch
+    from milestream.train.backends import launch
 
-    launch(cfg, "milestream.consumers.sft:run_sft", nproc=cfg.trainer.ranks)
+    launch(cfg, "milestream.train.sft:run_sft", nproc=cfg.trainer.ranks)
     return 0
 
 
@@ -104,18 +104,18 @@ def _metrics(cfg: Config, args: argparse.Namespace) -> int:
     cfg = run_configuration(cfg, args)
     port = args.prometheus_port if args.prometheus_port is not None else (9464 if args.serve else None)
     if port is None and not args.jsonl:
-        from milestream.consumers.metrics_live import watch
+        from milestream.observe.live import watch
 
         watch(cfg, threading.Event() if args.once else stop_on_signals(), once=args.once)
         return 0
-    from milestream.consumers.metrics_exporter import serve
+    from milestream.observe.prometheus import serve
 
     serve(cfg, stop_on_signals(), port, args.prometheus_addr, args.jsonl)
     return 0
 
 
 def _plot(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.plots import plot_run
+    from milestream.observe.plots import plot_run
 
     for path in plot_run(run_configuration(cfg, args), args.source, args.out):
         print(f"wrote {path}")
@@ -126,7 +126,7 @@ def _audit(cfg: Config, args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from milestream.consumers.audit import audit_run
+    from milestream.log.audit import audit_run
 
     audit = audit_run(cfg.run.run_dir)
     print(json.dumps({**dataclasses.asdict(audit), "exact": audit.exact}))
@@ -141,7 +141,7 @@ def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _eval(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.evaluation import run_evaluator
+    from milestream.evaluate.evaluation import run_evaluator
 
     run_evaluator(cfg, stop_on_signals())
     return 0
@@ -179,7 +179,7 @@ def _topics(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _archive(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.consumers.archive import run_archiver
+    from milestream.log.archive import run_archiver
 
     stop = stop_on_signals()
     rows = run_archiver(cfg, stop, flush_s=args.flush_s, segment_records=args.segment_records)
@@ -197,25 +197,26 @@ def _sessions(cfg: Config, args: argparse.Namespace) -> int:
 def _replay(cfg: Config, args: argparse.Namespace) -> int:
     import json
 
-    from milestream.consumers import replay, replay_cli
+    from milestream.log import restore
+    from milestream.observe import debug_cli
 
-    if replay_cli.wants(args):  # select, list, show, export, re-drive
-        return replay_cli.run(run_configuration(cfg, args), args)
+    if debug_cli.wants(args):  # select, list, show, export, re-drive
+        return debug_cli.run(run_configuration(cfg, args), args)
     run_dir = cfg.run.run_dir
     if args.step is not None:
-        from milestream.consumers.step_replay import replay_step
+        from milestream.observe.recompute import replay_step
 
         result = replay_step(run_configuration(cfg, args), run_dir, args.step)
         print(json.dumps({"step": result.step, "from_checkpoint": result.from_checkpoint, "logged": result.logged,
                           "replayed": result.replayed, "bitwise_equal": result.bitwise_equal}))
         return 0 if result.bitwise_equal else 1
     if args.resume:
-        report, accounting = replay.resume(cfg, run_dir, prefix=args.topic_prefix)
+        report, accounting = restore.resume(cfg, run_dir, prefix=args.topic_prefix)
         print(f"reconciled the buffer: {accounting}")
     elif args.republish:
-        report = replay.republish(cfg, run_dir, prefix=args.topic_prefix, restore_groups=not args.no_groups)
+        report = restore.republish(cfg, run_dir, prefix=args.topic_prefix, restore_groups=not args.no_groups)
     else:  # no broker needed: say what the archive holds
-        print(json.dumps(replay.describe(run_dir), indent=1))
+        print(json.dumps(restore.describe(run_dir), indent=1))
         return 0
     print(f"republished {sum(report.records.values())} records ({json.dumps(report.records)}); "
           f"restored the offsets of {len(report.groups)} consumer groups: {', '.join(report.groups) or '-'}")
@@ -242,7 +243,7 @@ COMMANDS = {
     "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),
     "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker; "
                         "--step N: recompute a trainer step and compare; select by step, group, time or offset "
-                        "to --list, --show, --export or --redrive (see consumers/replay_cli.py)"),
+                        "to --list, --show, --export or --redrive (see observe/debug_cli.py)"),
     "sessions": (_sessions, "serve token-in-token-out chat sessions over HTTP (sessions.host:port)"),
 }
 
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--no-groups", action="store_true", help="do not restore consumer-group offsets")
             command.add_argument("--step", type=int, help="recompute this trainer step from the archived log and the "
                                  "checkpoint before it; compare loss and grad norm bit for bit with the logged ones")
-            from milestream.consumers.replay_cli import add_arguments as add_replay_arguments
+            from milestream.observe.debug_cli import add_arguments as add_replay_arguments
 
             add_replay_arguments(command)
     return parser

@@ -93,7 +93,7 @@ class BufferConfig(Section):
     max_staleness: int = 2  # versions; a group older than this is dropped at collection
     filter: str | None = None  # import path: fn(group) -> (keep, reason)
     # import path: fn(pool, count) -> the groups the trainer takes (collector:fifo or :freshest_first)
-    selector: str = "milestream.consumers.collector:fifo"
+    selector: str = "milestream.train.collector:fifo"
     # what happens to the prompt of a group that went unused: drop it, or retry (back on prompts)
     unused: Literal["drop", "retry"] = "drop"
     retry_reasons: tuple[str, ...] = ("stale", "aborted", "incomplete")
@@ -119,11 +119,11 @@ class TrainerConfig(Section):
     checkpoint_every: int = 5
     keep_weight_versions: int = 3
     # where the policy trains: one process, FSDP2 data parallel, or Megatron-core tensor parallel
-    # (the last two under torchrun: consumers/backends, launch)
+    # (the last two under torchrun: train/backends, launch)
     backend: Literal["local", "fsdp2", "megatron"] = "local"
     ranks: int = 2  # processes of the fsdp2 (data parallel) or megatron (tensor parallel) backend
     keep_checkpoints: int = 2  # the newest checkpoints kept (replay --step N needs one before step N)
-    # consumers/estimators.py; ppo trains a value head, kl_coef runs a reference policy (backend local)
+    # train/estimators.py; ppo trains a value head, kl_coef runs a reference policy (backend local)
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"] = "grpo"
     group_std_normalize: bool = True  # grpo/gspo: divide by the group's std (False: only centre)
     whiten_advantages: bool = False  # masked whitening over the batch, after any estimator
@@ -172,7 +172,7 @@ class WeightsConfig(Section):
 
 
 class EvalConfig(Section):
-    """Held-out evaluation as a consumer of weights.versions (consumers/evaluation.py); results on eval.results."""
+    """Held-out evaluation as a consumer of weights.versions (evaluate/evaluation.py); results on eval.results."""
 
     # None: off. shared: the rollout engine of worker ``shared_worker`` evaluates, its new submissions wait
     # meanwhile (nothing in flight is aborted); dedicated: ``milestream eval`` runs its own engine;

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from milestream.config import Config
-from milestream.consumers.report import write_report
+from milestream.observe.report import write_report
 from milestream.infra.kafka import Admin, RecordConsumer
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.schemas import topics
@@ -161,7 +161,7 @@ def print_step(cfg: Config, record: Metrics, dropped: list[Dropped], elapsed: fl
 
 def resume_from_archive(cfg: Config, run_dir: Path) -> None:
     """A fresh embedded broker holds nothing: put the archived run back, at the same offsets."""
-    from milestream.consumers.replay import resume
+    from milestream.log.restore import resume
 
     report, accounting = resume(cfg, run_dir)
     print(f"resumed from the archive in {run_dir / 'archive'}: {report} {accounting}", flush=True)

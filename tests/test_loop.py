@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from milestream.consumers.step_replay import replay_step
+from milestream.observe.recompute import replay_step
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics

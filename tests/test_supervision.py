@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from milestream.config import load_config
-from milestream.infra.chaos import pids, sigkill, stage_pids
-from milestream.consumers import checkpoint
-from milestream.consumers.archive import archived_messages
-from milestream.consumers.audit import audit_run
+from chaos import pids, sigkill, stage_pids
+from milestream.train import checkpoint
+from milestream.log.archive import archived_messages
+from milestream.log.audit import audit_run
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics

@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from milestream.config import Config
-from milestream.consumers.evaluation import SharedEvaluation
+from milestream.evaluate.evaluation import SharedEvaluation
 from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.producers.engine import CpuEngine, Engine, sampling_params
@@ -66,7 +66,7 @@ class RolloutWorker:
         self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
-        # eval.mode shared (consumers/evaluation.py): this engine evaluates due versions; submissions wait meanwhile
+        # eval.mode shared (evaluate/evaluation.py): this engine evaluates due versions; submissions wait meanwhile
         self.evaluation = SharedEvaluation(cfg, worker_id, self.producer, tokenizer)
         self.samples_done = 0
         self.stalled_s = 0.0

@@ -1,5 +1,5 @@
 """A user loss for the loss-hook test, loaded by import path (``trainer.loss``)."""
-from milestream.consumers.losses import LossInput, LossOutput
+from milestream.train.losses import LossInput, LossOutput
 
 
 def plain_policy_gradient(batch: LossInput) -> LossOutput:

@@ -149,7 +149,7 @@ def test_a_noise_checked_worker_generates_only_after_its_first_version(cfg: Conf
         task = asyncio.create_task(worker.run(stop))
         await asyncio.sleep(3.0)
         assert not worker.weights_ready.is_set()  # noise in the engine: nothing may be admitted
-        # the trainer's initial weights, version 0 (consumers/trainer.py publishes them under noise_check)
+        # the trainer's initial weights, version 0 (train/trainer.py publishes them under noise_check)
         make_sender(cfg).publish(RecordProducer(cfg.broker), 0, 0, initial_tensors(cfg))
         await asyncio.wait_for(worker.weights_ready.wait(), timeout=60)
         stop.set()

@@ -1,0 +1,301 @@
+"""Held-out evaluation as a consumer of ``weights.versions``, in Miles' three modes (``eval.mode``).
+
+  shared     the rollout engine of worker ``eval.shared_worker`` evaluates: the worker awaits
+             ``SharedEvaluation.admission()`` before each new submission and calls ``maybe_evaluate`` once it
+             has applied a version; meanwhile new submissions wait and the requests in flight go on
+  dedicated  ``milestream eval`` with a CpuEngine of its own that loads each due version through the
+             configured transport's receiver (disk: the version's safetensors snapshot; disk-delta: the chain)
+  external   ``milestream eval`` writes each due version as an HF-loadable folder and calls the user's
+             ``eval.evaluator(folder)`` (evaluate/external.py)
+
+A version is due when ``version % eval.every_versions == 0`` or it is the last step's. The held-out set is
+``eval.num_prompts`` distinct questions from data-set indices ``data.size`` onwards (reasoning-gym draws
+entry i from seed ``data.seed + i``, and the loader never reads past ``data.size``), decoded greedily;
+the score is the task verifier's mean (accuracy, no format reward). Each result on ``eval.results`` names
+the version and step that produced it and ``lag_steps``: the newest step announced on
+``weights.versions`` when the result is published, minus the version's step. A failed evaluation (an
+exception, ``eval.timeout_s``, a snapshot gone) is a result with status ``skipped``, score NaN and the
+reason in ``detail``; the consumer and training go on.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Protocol
+
+from confluent_kafka import TopicPartition
+from transformers import PreTrainedTokenizerBase
+
+from milestream.config import Config, import_path
+from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.model import configure_process, load_tokenizer
+from milestream.producers.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
+from milestream.producers.tasks import TaskPrompt, build_input_ids, iter_prompts, score
+from milestream.schemas import topics
+from milestream.schemas.records import EvalResult, WeightVersion
+from milestream.streams.weights.base import TRANSPORTS, make_receiver
+
+log = logging.getLogger(__name__)
+DRAWS_PER_PROMPT = 50  # held-out entries drawn per wanted distinct question before giving up
+
+
+@dataclass(frozen=True)
+class Score:
+    name: str
+    value: float
+    detail: str
+
+
+class VersionEvaluation(Protocol):
+    """What ``milestream eval`` runs on each due version (dedicated engine, external evaluator)."""
+
+    async def __call__(self, record: WeightVersion) -> list[Score]: ...
+
+    async def close(self) -> None: ...
+
+
+def is_due(cfg: Config, version: int, step: int) -> bool:
+    return version % cfg.eval.every_versions == 0 or step == cfg.trainer.steps
+
+
+def held_out_prompts(cfg: Config) -> list[TaskPrompt]:
+    """``eval.num_prompts`` distinct questions from entries the training loader never reads."""
+    wanted = cfg.eval.num_prompts
+    beyond_training = cfg.data.model_copy(update={"size": cfg.data.size + DRAWS_PER_PROMPT * wanted})
+    by_question: dict[str, TaskPrompt] = {}
+    for prompt in iter_prompts(beyond_training, start=cfg.data.size):
+        by_question.setdefault(prompt.question, prompt)
+        if len(by_question) == wanted:
+            return list(by_question.values())
+    raise ValueError(f"eval.num_prompts={wanted}: data.task {cfg.data.task!r} gave only {len(by_question)} "
+                     f"distinct questions in {DRAWS_PER_PROMPT * wanted} held-out entries")
+
+
+class HeldOut:
+    """The held-out prompts encoded for the policy, and the greedy evaluation of an engine on them."""
+
+    def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.prompts = held_out_prompts(cfg)
+        self.input_ids = [tuple(build_input_ids(tokenizer, p.question, cfg.data)) for p in self.prompts]
+        self.sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                                       temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+        self.answer_only = cfg.data.model_copy(update={"format_reward": 0.0})
+
+    async def score(self, engine: Engine, version: int) -> list[Score]:
+        """All prompts at once: they join whatever the engine is running, which goes on undisturbed."""
+        requests = [GenerateRequest(f"eval-v{version}/{i}", ids, self.sampling) for i, ids in enumerate(self.input_ids)]
+        results = await asyncio.gather(*(engine.generate(request) for request in requests))
+        aborted = sum(result.finish_reason == "abort" for result in results)
+        if aborted:
+            raise RuntimeError(f"the engine aborted {aborted} of {len(results)} evaluation requests")
+        if engine.version != version:
+            raise RuntimeError(f"the engine moved to version {engine.version} while evaluating version {version}")
+        texts = [self.tokenizer.decode(result.output_ids, skip_special_tokens=True) for result in results]
+        entries = [prompt.entry for prompt in self.prompts]
+        accuracy = sum(score(t, e, self.answer_only) for t, e in zip(texts, entries)) / len(texts)
+        reward = sum(score(t, e, self.cfg.data) for t, e in zip(texts, entries)) / len(texts)
+        detail = {"accuracy": accuracy, "reward_mean": reward, "prompts": len(texts),
+                  "max_new_tokens": self.sampling.max_new_tokens, "example": texts[0]}
+        return [Score(self.cfg.eval.name, accuracy, json.dumps(detail))]
+
+
+class VersionFeed:
+    """``weights.versions`` as an evaluator reads it; the newest step announced is the trainer's current one.
+    ``keep``: the records are wanted too (the loop), not only the step (a shared engine)."""
+
+    def __init__(self, consumer: RecordConsumer, keep: bool = True):
+        self.consumer, self.keep = consumer, keep
+        self.latest_step = 0
+        self.unread: list[tuple[WeightVersion, int]] = []  # (record, the offset after it)
+
+    def read(self, timeout: float) -> list[tuple[WeightVersion, int]]:
+        """What arrived since the last read (waiting up to ``timeout`` when nothing did)."""
+        self._fetch(0.0 if self.unread else timeout)
+        out, self.unread = self.unread, []
+        return out
+
+    def lag(self, step: int, wait_s: float = 0.1) -> int:
+        self._fetch(wait_s)
+        return max(self.latest_step, step) - step
+
+    def _fetch(self, timeout: float) -> None:
+        delivery = self.consumer.poll(timeout)
+        while delivery is not None:
+            for record in delivery.records:
+                self.latest_step = max(self.latest_step, record.step)
+                if self.keep:
+                    self.unread.append((record, delivery.position.offset + 1))
+            delivery = self.consumer.poll(0.0)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+async def guarded(evaluation: Awaitable[list[Score]], timeout_s: float) -> list[Score] | str:
+    """The scores, or the reason there are none: a failed evaluation never leaves here as an exception."""
+    try:
+        return await asyncio.wait_for(evaluation, timeout_s)
+    except Exception as exc:  # noqa: BLE001 - recorded as skipped; the consumer and training go on
+        if isinstance(exc, TimeoutError) and not str(exc):
+            return f"timed out after {timeout_s:g}s (eval.timeout_s)"
+        log.warning("evaluation failed", exc_info=exc)
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def publish_outcome(cfg: Config, version: int, step: int, outcome: list[Score] | str,
+                          feed: VersionFeed, producer: RecordProducer) -> list[EvalResult]:
+    """The results of one version's evaluation on ``eval.results`` (a reason: one ``skipped`` result)."""
+    lag = await asyncio.to_thread(feed.lag, step)
+    now = time.time()
+    if isinstance(outcome, str):
+        results = [EvalResult(cfg.eval.name, version, step, math.nan, lag, "skipped", outcome, now)]
+    else:
+        results = [EvalResult(s.name, version, step, s.value, lag, "ok", s.detail, now) for s in outcome]
+    producer.send(topics.EVAL_RESULTS, results)
+    producer.flush()
+    for r in results:
+        log.info("eval %s version %d (step %d, lag %d): %s %s", r.name, r.version, r.step, r.lag_steps, r.status,
+                 f"{r.score:.4f}" if r.status == "ok" else r.detail)
+    return results
+
+
+class SharedEvaluation:
+    """``eval.mode: shared`` inside a rollout worker; inert (admission always open) on any other worker."""
+
+    def __init__(self, cfg: Config, worker_id: str, producer: RecordProducer, tokenizer: PreTrainedTokenizerBase):
+        self.cfg, self.producer = cfg, producer
+        self.enabled = cfg.eval.mode == "shared" and worker_id == cfg.eval.shared_worker
+        self._open = asyncio.Event()
+        self._open.set()
+        self._applied = 0  # the newest version this engine applied (0: the initial weights it starts from)
+        self.heldout = HeldOut(cfg, tokenizer) if self.enabled else None
+        self.feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{worker_id}-eval-steps")
+                                .assign(partitions=[0]), keep=False) if self.enabled else None
+
+    async def admission(self) -> None:
+        """Returns at once unless an evaluation runs; then when it is over."""
+        await self._open.wait()
+
+    @property
+    def evaluating(self) -> bool:
+        return not self._open.is_set()
+
+    async def maybe_evaluate(self, engine: Engine, version: int, step: int) -> list[EvalResult]:
+        """Call after each applied version. An engine that follows only the newest version may jump over a
+        multiple of ``eval.every_versions``: the first version it applies at or past one is evaluated."""
+        previous, self._applied = self._applied, max(self._applied, version)
+        every = self.cfg.eval.every_versions
+        if not self.enabled or version <= previous or not (version // every > previous // every
+                                                            or is_due(self.cfg, version, step)):
+            return []
+        self._open.clear()
+        try:
+            outcome = await guarded(self.heldout.score(engine, version), self.cfg.eval.timeout_s)
+        finally:
+            self._open.set()
+        return await publish_outcome(self.cfg, version, step, outcome, self.feed, self.producer)
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+
+
+class EvaluationLoop:
+    """``milestream eval``: the due versions in order, one at a time; the read position is committed
+    after each result, so a restarted evaluator neither repeats nor misses one."""
+
+    def __init__(self, cfg: Config, evaluation: VersionEvaluation):
+        self.cfg, self.evaluation = cfg, evaluation
+        self.producer = RecordProducer(cfg.broker, client_id=f"eval-{cfg.eval.mode}")
+        consumer = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{cfg.broker.topic_prefix}eval-{cfg.eval.mode}",
+                                  deadletter=self.producer)
+        # assigned, not subscribed: a lone reader needs no group join (seconds on tansu), only its committed offset
+        self.feed = VersionFeed(consumer.assign(committed_offsets(consumer, [0]), partitions=[0]))
+        self.pending: deque[tuple[WeightVersion, int]] = deque()
+        # (version, checksums): a step the trainer redid after a crash is evaluated again only if it differs
+        self.queued: set[tuple[int, int]] = set()
+
+    async def step(self, timeout: float = 0.5) -> list[EvalResult]:
+        """Read what arrived, then evaluate the oldest pending due version (if there is one)."""
+        for record, next_offset in await asyncio.to_thread(self.feed.read, 0.0 if self.pending else timeout):
+            identity = (record.version, hash(tuple(record.checksums)))
+            if is_due(self.cfg, record.version, record.step) and identity not in self.queued:
+                self.queued.add(identity)
+                self.pending.append((record, next_offset))
+        if not self.pending:
+            return []
+        record, next_offset = self.pending.popleft()
+        outcome = await guarded(self.evaluation(record), self.cfg.eval.timeout_s)
+        results = await publish_outcome(self.cfg, record.version, record.step, outcome, self.feed, self.producer)
+        self.feed.consumer.commit({0: next_offset})
+        return results
+
+    async def run(self, stop: threading.Event) -> None:
+        log.info("evaluating every %d versions (eval.mode %s)", self.cfg.eval.every_versions, self.cfg.eval.mode)
+        try:
+            while not stop.is_set():
+                await self.step()
+        finally:
+            await self.evaluation.close()
+            self.producer.flush()
+            self.feed.close()
+
+
+def committed_offsets(consumer: RecordConsumer, partitions: list[int]) -> dict[int, int]:
+    """The group's committed next offsets of ``partitions`` (a partition never committed: absent)."""
+    wanted = [TopicPartition(consumer.topic, p) for p in partitions]
+    return {tp.partition: tp.offset for tp in consumer.consumer.committed(wanted, timeout=10) if tp.offset >= 0}
+
+
+class EngineEvaluation:
+    """``eval.mode: dedicated``: a CpuEngine of its own loads each due version and runs the held-out set."""
+
+    def __init__(self, cfg: Config, engine: Engine | None = None):
+        require_skippable_transport(cfg)
+        self.engine = engine or CpuEngine(cfg.model, cfg.rollout, inflight="keep")
+        self.receiver = make_receiver(cfg, "evaluator")
+        self.heldout = HeldOut(cfg, load_tokenizer(cfg.model))
+
+    async def __call__(self, record: WeightVersion) -> list[Score]:
+        tensors = await asyncio.to_thread(self.receiver.receive, record)
+        await self.engine.update_weights(record.version, tensors)
+        return await self.heldout.score(self.engine, record.version)
+
+    async def close(self) -> None:
+        self.receiver.close()
+        await self.engine.close()
+
+
+def require_skippable_transport(cfg: Config) -> None:
+    """A receiver that must join every version's delivery (a collective sized for the rollout engines)
+    cannot serve an evaluator that loads only the due versions."""
+    receiver = import_path(TRANSPORTS[cfg.weights.transport][1], "weights.transport")
+    if receiver.every_version:
+        raise ValueError(f"eval.mode {cfg.eval.mode} loads versions through weights.transport "
+                         f"{cfg.weights.transport!r}, whose engines must take part in every delivery; use "
+                         f"weights.transport disk or disk-delta, or eval.mode shared")
+
+
+def make_evaluation(cfg: Config) -> VersionEvaluation:
+    if cfg.eval.mode == "dedicated":
+        return EngineEvaluation(cfg)
+    if cfg.eval.mode == "external":
+        from milestream.evaluate.external import ExternalEvaluation
+
+        return ExternalEvaluation(cfg)
+    raise ValueError(f"milestream eval runs eval.mode dedicated or external, not {cfg.eval.mode!r} "
+                     f"(shared runs inside the rollout workers)")
+
+
+def run_evaluator(cfg: Config, stop: threading.Event) -> None:
+    configure_process(cfg.model)
+    evaluation = make_evaluation(cfg)
+    asyncio.run(EvaluationLoop(cfg, evaluation).run(stop))

@@ -1,0 +1,358 @@
+"""Replay an archived run: put its records back into a (fresh) broker, and resume the run from them.
+
+``republish``  every archived topic-partition, in offset order, into the same partition of the same
+               topic, with the same key, headers, timestamp and value bytes. A fresh broker assigns
+               offsets densely from 0 (checked on tansu), so every record lands at its archived
+               offset; each delivery is checked and a mismatch is an error (the broker was not empty,
+               or the archive has a gap). Then the consumer groups' committed offsets, which lived in
+               the lost broker, are committed again from the archive's snapshot.
+``reconcile``  the buffer's credit and queue counters in Redis, re-derived from the archive, the
+               trainer's checkpoint and the restored offsets, so that the restarted stages neither
+               leak credit (prompts that rollout re-admits) nor hand it out twice (groups the trainer
+               collects again after its checkpoint). See ``derive_accounting``.
+``resume``     both: what a run does after its broker restarted, before its stages start again.
+
+What "resume" guarantees. Every offset a stage keeps outside the broker stays valid, because each
+record comes back at its archived offset: the trainer seeks to its checkpointed buffer.groups
+offsets and skips the groups in its checkpoint; the processor restarts from its restored committed
+offsets and its settled groups in Redis; rollout re-admits the prompts above its restored committed
+offset (a group half-published by a killed worker is generated again under the same ids, and the
+processor de-duplicates its samples); the prompt feeder continues from its position in Redis. After a
+planned restart (stages stopped, archiver drained, then the broker restarted) no record and no group
+is lost. After a broker crash the records in the archive's unflushed tail (see ``archive``) are lost;
+``reconcile`` refuses to resume when the trainer's checkpoint is past the archived buffer.groups,
+rather than let the trainer skip new groups. Republish into an empty broker only: one that already
+holds records fails the offset check (restart it again and re-run).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from milestream.config import Config
+from milestream.log.archive import ROW_SCHEMA, ArchiveState, load_manifest, read_topic, segment_paths
+from milestream.infra.kafka import client_config
+from milestream.schemas import topics
+from milestream.schemas.codec import Position, decode, decode_table
+from milestream.schemas.records import GroupSample, Prompt
+from milestream.streams.credit import Credit
+
+log = logging.getLogger(__name__)
+
+
+class ReplayError(RuntimeError):
+    pass
+
+
+@dataclass
+class Republished:
+    records: dict[str, int] = field(default_factory=dict)  # per topic
+    ends: dict[str, dict[int, int]] = field(default_factory=dict)  # per topic-partition: next offset
+    groups: dict[str, dict[str, dict[int, int]]] = field(default_factory=dict)  # committed again
+    mismatches: list[str] = field(default_factory=list)
+
+
+def target_config(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> Config:
+    """``cfg`` pointing at the archived run's topics (its own prefix unless ``prefix`` is given)."""
+    chosen = load_manifest(run_dir)["topic_prefix"] if prefix is None else prefix
+    return cfg.with_overrides(broker={"topic_prefix": chosen})
+
+
+def create_topics(cfg: Config, manifest: dict[str, Any]) -> None:
+    """The archived topics with their archived partition counts (an existing one must match)."""
+    admin = AdminClient(client_config(cfg.broker))
+    existing = {n: len(t.partitions) for n, t in admin.list_topics(timeout=10).topics.items()}
+    new = []
+    for name, shape in manifest["topics"].items():
+        full = cfg.broker.topic_prefix + name
+        if full in existing and existing[full] != shape["partitions"]:
+            raise ReplayError(f"topic {full} has {existing[full]} partitions, the archive {shape['partitions']}")
+        if full not in existing:
+            new.append(NewTopic(full, num_partitions=shape["partitions"], replication_factor=-1,
+                                config={"max.message.bytes": str(shape["max_message_bytes"])}))
+    for future in (admin.create_topics(new, operation_timeout=30).values() if new else ()):
+        try:
+            future.result()
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+
+
+def _check_delivery(report: Republished, topic: str, expected: int, err, msg) -> None:
+    if err is not None:
+        report.mismatches.append(f"{topic}[{msg.partition()}]@{expected}: not delivered: {err}")
+    elif msg.offset() != expected:
+        report.mismatches.append(f"{topic}[{msg.partition()}]: archived offset {expected} landed at {msg.offset()}")
+
+
+def _republish_topic(producer: Producer, cfg: Config, run_dir: Path, name: str, report: Republished) -> None:
+    """One topic, segment by segment (segments are in time order, rows in partition-offset order)."""
+    full = cfg.broker.topic_prefix + name
+    ends = report.ends.setdefault(name, {})
+    for path in segment_paths(run_dir, name):
+        for row in pq.read_table(path, schema=ROW_SCHEMA).to_pylist():
+            partition, offset = row["partition"], row["offset"]
+            expected = ends.get(partition, 0)
+            if offset < expected:
+                continue  # archived twice (cannot happen after recover(); harmless to skip)
+            if offset > expected:
+                raise ReplayError(f"archive of {name}[{partition}] has a gap: offset {offset} follows {expected - 1}; "
+                                  "republished offsets could not match the archived ones")
+            headers = None if row["headers"] is None else [(h["key"], h["value"]) for h in row["headers"]]
+            _produce(producer, full, row, headers, functools.partial(_check_delivery, report, name, offset))
+            ends[partition] = offset + 1
+            report.records[name] = report.records.get(name, 0) + 1
+
+
+def _produce(producer: Producer, topic: str, row: dict[str, Any], headers, on_delivery) -> None:
+    extra = {"timestamp": row["timestamp_ms"]} if row["timestamp_ms"] and row["timestamp_ms"] > 0 else {}
+    while True:
+        try:
+            producer.produce(topic, value=row["value"], key=row["key"], partition=row["partition"],
+                             headers=headers, on_delivery=on_delivery, **extra)
+            break
+        except BufferError:  # local queue full: let deliveries drain
+            producer.poll(0.05)
+    producer.poll(0)
+
+
+def republish(cfg: Config, run_dir: str | Path, prefix: str | None = None, restore_groups: bool = True) -> Republished:
+    """Put the archived run back into the broker ``cfg`` names; raises ReplayError unless exact."""
+    run_dir = Path(run_dir)
+    manifest = load_manifest(run_dir)
+    cfg = target_config(cfg, run_dir, prefix)
+    create_topics(cfg, manifest)
+    producer = Producer(client_config(cfg.broker, **{
+        "client.id": "milestream-replay", "enable.idempotence": "true", "linger.ms": "5",
+        "message.max.bytes": str(cfg.broker.max_message_bytes), "compression.type": "none"}))
+    report = Republished()
+    for name in manifest["topics"]:
+        _republish_topic(producer, cfg, run_dir, name, report)
+    if producer.flush(120) > 0:
+        raise ReplayError(f"{len(producer)} records not delivered after 120 s")
+    if report.mismatches:
+        raise ReplayError(f"{len(report.mismatches)} records did not land at their archived offsets (was the "
+                          f"broker fresh?): {report.mismatches[:5]}")
+    if restore_groups:
+        state = ArchiveState.load(run_dir)
+        report.groups = restore_group_offsets(cfg, state, report.ends, manifest["topic_prefix"])
+    log.info("republished %d records of %d topics; restored %d consumer groups",
+             sum(report.records.values()), len(report.records), len(report.groups))
+    return report
+
+
+def restore_group_offsets(cfg: Config, state: ArchiveState, ends: dict[str, dict[int, int]],
+                          archived_prefix: str) -> dict[str, dict[str, dict[int, int]]]:
+    """Commit every snapshotted group's offsets again (before its members start).
+
+    An offset past the republished end (a snapshot newer than the last flushed segment, after a
+    crash) is clamped to the end: the consumer then waits there instead of resetting to the start.
+    """
+    restored: dict[str, dict[str, dict[int, int]]] = {}
+    for group, per_topic in state.groups.items():
+        if archived_prefix and group.startswith(archived_prefix):
+            group = cfg.broker.topic_prefix + group[len(archived_prefix):]
+        offsets = []
+        for name, parts in per_topic.items():
+            for partition, offset in parts.items():
+                end = ends.get(name, {}).get(partition, 0)
+                if offset > end:
+                    log.warning("group %s: %s[%d] committed %d, archive ends at %d; clamped", group, name,
+                                partition, offset, end)
+                offsets.append(TopicPartition(cfg.broker.topic_prefix + name, partition, min(offset, end)))
+                restored.setdefault(group, {}).setdefault(name, {})[partition] = min(offset, end)
+        consumer = Consumer(client_config(cfg.broker, **{"group.id": group, "enable.auto.commit": "false"}))
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+        finally:
+            consumer.close()
+    return restored
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """The buffer's Redis counters as the restarted run must see them (see ``derive_accounting``)."""
+
+    credit: int
+    queued: dict[str, int]  # group id -> oldest token version, for the groups the trainer will read
+    prompts_admitted: int
+    held: int  # groups that will give a credit back without taking one
+    readmitted_settled: int  # prompts rollout will admit again although their group already left
+
+
+def _rows(run_dir: Path, spec: topics.TopicSpec, columns: list[str]) -> list[tuple[int, int, dict[str, Any]]]:
+    """(partition, offset, first record's ``columns``) of every archived record of ``spec``."""
+    out = []
+    for row in read_topic(run_dir, spec.name).to_pylist():
+        position = Position(spec.name, row["partition"], row["offset"])
+        table = decode_table(row["value"], spec.record, position)
+        out.append((row["partition"], row["offset"], {c: table.column(c)[0].as_py() for c in columns}))
+    return out
+
+
+def _group_rows(run_dir: Path) -> list[tuple[int, int, dict[str, Any]]]:
+    """(partition, offset, {group_id, oldest_version}) of every archived buffer.groups record."""
+    out = []
+    for row in read_topic(run_dir, topics.GROUPS.name).to_pylist():
+        position = Position(topics.GROUPS.name, row["partition"], row["offset"])
+        table = decode_table(row["value"], GroupSample, position)
+        versions = pc.list_flatten(table.column("token_versions"))
+        oldest = pc.min(versions).as_py() if len(versions) else None
+        out.append((row["partition"], row["offset"], {"group_id": table.column("group_id")[0].as_py(),
+                                                      "oldest_version": -1 if oldest is None else oldest}))
+    return out
+
+
+@dataclass(frozen=True)
+class ArchivedRun:
+    """What a resume reads from the archive, once: where every group's records and outcome lie."""
+
+    sources: dict[str, list[tuple[int, int, dict[str, Any]]]]  # source topic -> (partition, offset, {group_id})
+    emitted: list[tuple[int, int, dict[str, Any]]]  # buffer.groups: (partition, offset, {group_id, oldest_version})
+    left: set[str]  # groups with an archived outcome, or seen by the trainer's checkpoint
+
+    @classmethod
+    def read(cls, run_dir: Path, trainer_seen: set[str]) -> "ArchivedRun":
+        sources = {spec.name: _rows(run_dir, spec, ["group_id"])
+                   for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)}
+        emitted = _group_rows(run_dir)
+        # the trainer saw what it took or dropped, though a crash may have lost its buffer.groups record
+        left = {r["group_id"] for *_, r in emitted} | trainer_seen
+        left |= {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
+        return cls(sources, emitted, left)
+
+    @property
+    def entered(self) -> set[str]:
+        return {r["group_id"] for *_, r in self.sources[topics.TRAJECTORIES.name]}
+
+
+def derive_accounting(cfg: Config, run_dir: str | Path, archived: ArchivedRun, rollout_offsets: dict[int, int],
+                      trainer_offsets: dict[int, int], trainer_seen: set[str], prompts_published: int) -> Accounting:
+    """Credit = capacity - groups that still hold one, from the log alone (every stage stopped).
+
+    A group holds a credit from its admission until it leaves (taken or dropped stale by the
+    trainer, or dropped by the processor). After a restart from the archive:
+      (a) a group on buffer.groups at or past the trainer's checkpointed offset, not in its seen set,
+          will be read and leave (again): it holds one;
+      (b) a group whose prompt lies below rollout's committed offset (it will not be admitted again)
+          and that has not left yet (no buffer.groups / buffer.dropped record) will be settled by the
+          processor: it holds one;
+      (c) a group whose prompt lies at or past that offset is admitted again and takes a new credit;
+          if it had already left, the processor treats its records as duplicates and never returns
+          that credit, so one is added back in advance.
+    The feeder's admitted count is set so that published - admitted = the prompts rollout will read.
+    """
+    run_dir = Path(run_dir)
+    prompt_at = {prompt.group_id: (row["partition"], row["offset"])  # one group per prompt attempt
+                 for row in read_topic(run_dir, topics.PROMPTS.name).to_pylist()
+                 for prompt in decode(row["value"], Prompt, Position(topics.PROMPTS.name, row["partition"], row["offset"]))}
+    entered, left = archived.entered, archived.left
+    to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in archived.emitted
+                  if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}
+    unread = {g for g, (p, o) in prompt_at.items() if o >= rollout_offsets.get(p, 0)}
+    pending = entered - unread - left
+    settled_again = entered & unread & left
+    held = len(to_collect) + len(pending)
+    return Accounting(cfg.buffer_capacity - held + len(settled_again), to_collect,
+                      max(0, prompts_published - len(unread)), held, len(settled_again))
+
+
+def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_group: str | None = None) -> Accounting:
+    """Write the derived counters to Redis; call with every stage stopped, after ``republish``."""
+    from milestream.train import checkpoint  # torch: only a resume needs it
+
+    payload = checkpoint.load_latest(run_dir)
+    state = checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState()
+    ends = report.ends.get(topics.GROUPS.name, {})
+    past = {p: (o, ends.get(p, 0)) for p, o in state.offsets.items() if o > ends.get(p, 0)}
+    if past:  # the trainer would skip the first new groups at those offsets: refuse, loudly
+        raise ReplayError(f"the trainer's checkpoint is past the archived buffer.groups (partition: (checkpoint, "
+                          f"archive end)) {past}: the broker was lost before the archive caught up")
+    restored = report.groups
+    # the rollout workers' consumer group (milestream.producers.worker names it so)
+    rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
+    rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
+    credit = Credit(cfg)
+    archived = ArchivedRun.read(Path(run_dir), state.seen_groups)
+    unsettled = rewind_processor(cfg, archived, restored)
+    accounting = derive_accounting(cfg, run_dir, archived, rollout_offsets, state.offsets, state.seen_groups,
+                                   credit.prompts_published())
+    with credit.client.pipeline(transaction=True) as tx:
+        tx.set(credit.key, accounting.credit)
+        tx.delete(credit.queued_key, credit.taken_early_key)
+        if accounting.queued:
+            tx.hset(credit.queued_key, mapping=accounting.queued)
+        tx.set(credit.admitted_key, accounting.prompts_admitted)
+        if unsettled:
+            tx.hdel(credit.group_states_key, *unsettled)
+        tx.execute()
+    log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", accounting,
+             len(unsettled))
+    if accounting.credit < 0:
+        log.warning("more groups hold a credit (%d) than the buffer's capacity (%d): rollout waits until they leave",
+                    accounting.held, cfg.buffer_capacity)
+    return accounting
+
+
+def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dict[str, dict[int, int]]]) -> list[str]:
+    """After a broker crash, make the processor redo every group whose outcome the archive lacks.
+
+    The processor may have settled a group, and committed past its records, whose buffer.groups or
+    buffer.dropped record the archiver had not yet written when the broker died. Such a group is
+    forgotten as settled, and the processor's committed offset of each source partition moves back
+    to the oldest record of any group without an archived outcome, so it is read and emitted again.
+    After a planned restart nothing moves: those records all lie past the committed offsets.
+    Returns the group ids forgotten as settled.
+    """
+    from milestream.streams.processor import app_id
+
+    group = app_id(cfg)
+    committed = restored.get(group, {})
+    rewound: list[TopicPartition] = []
+    entered: set[str] = set()
+    for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING):
+        oldest: dict[int, int] = {}
+        for partition, offset, row in archived.sources[spec.name]:
+            entered.add(row["group_id"])
+            if row["group_id"] not in archived.left:
+                oldest[partition] = min(offset, oldest.get(partition, offset))
+        for partition, offset in oldest.items():
+            if offset < committed.get(spec.name, {}).get(partition, 0):
+                rewound.append(TopicPartition(cfg.broker.topic_prefix + spec.name, partition, offset))
+                committed.setdefault(spec.name, {})[partition] = offset
+    if rewound:
+        log.warning("the processor's committed offsets move back to %s: groups without an archived outcome", rewound)
+        consumer = Consumer(client_config(cfg.broker, **{"group.id": group, "enable.auto.commit": "false"}))
+        try:
+            consumer.commit(offsets=rewound, asynchronous=False)
+        finally:
+            consumer.close()
+    credit = Credit(cfg)
+    states = credit.client.hkeys(credit.group_states_key)
+    return [g for g in (k.decode() for k in states) if g in entered and g not in archived.left]
+
+
+def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple[Republished, Accounting]:
+    """After a broker restart, before the stages start again: republish, restore groups, reconcile."""
+    live = target_config(cfg, run_dir, prefix)
+    report = republish(live, run_dir, prefix=live.broker.topic_prefix)
+    return report, reconcile(live, run_dir, report)
+
+
+def describe(run_dir: str | Path) -> dict[str, Any]:
+    """What the archive holds: per topic, records and next offset per partition; the groups."""
+    state = ArchiveState.load(run_dir)
+    manifest = load_manifest(run_dir)
+    return {"topic_prefix": manifest["topic_prefix"],
+            "topics": {name: {"partitions": shape["partitions"], "segments": len(segment_paths(run_dir, name)),
+                              "next_offsets": state.offsets.get(name, {})}
+                       for name, shape in manifest["topics"].items()},
+            "groups": state.groups}

@@ -1,0 +1,119 @@
+"""What every metrics consumer reads: the records of the run's observable topics, live or archived.
+
+A metrics consumer is an ``Observer`` fed ``Observed`` records, one at a time, from either source:
+
+- ``TopicFeed``: the live topics, every partition from the beginning (assigned, never committing, so
+  any number of observers can come and go without touching the loop or each other);
+- ``archived``: the same topics from ``RUN_DIR/archive`` (log/archive.py), no broker needed.
+
+A value that does not decode is logged with its topic, partition, offset and field and skipped: an
+observer of the loop must not stop on a record the processor has already dead-lettered.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+from milestream.config import Config
+from milestream.log.archive import iter_rows, load_manifest
+from milestream.infra.kafka import Admin, RecordConsumer, topic_name
+from milestream.schemas import topics
+from milestream.schemas.codec import Position, RecordError, decode
+from milestream.schemas.records import Record
+
+log = logging.getLogger(__name__)
+
+# every figure of the loop lives on one of these: stage metrics, drops, weight versions, weight acks
+FEED_TOPICS: tuple[topics.TopicSpec, ...] = (
+    topics.METRICS, topics.DROPPED, topics.WEIGHT_VERSIONS, topics.WEIGHTS_APPLIED)
+
+
+@dataclass(frozen=True)
+class Observed:
+    spec: topics.TopicSpec
+    position: Position
+    record: Record
+
+
+class Observer(Protocol):
+    def observe(self, item: Observed) -> None: ...
+
+
+class TopicFeed:
+    """The live topics, read from their beginning by one assigned consumer per topic."""
+
+    def __init__(self, cfg: Config, group_id: str, specs: Iterable[topics.TopicSpec] = FEED_TOPICS):
+        if not cfg.broker.bootstrap_servers:
+            raise ValueError("no broker to read from: give --bootstrap-servers, or the --run-dir of a run "
+                             "(its config.yaml names the broker)")
+        admin = Admin(cfg.broker)
+        self.consumers: list[RecordConsumer] = []
+        for spec in specs:
+            try:
+                partitions = admin.partitions(spec)
+            except KeyError:
+                raise RuntimeError(f"topic {topic_name(cfg.broker, spec)!r} does not exist on "
+                                   f"{cfg.broker.bootstrap_servers}: is broker.topic_prefix the run's?") from None
+            # observers tolerate half a second of lag; the loop's short fetch wait would have the broker
+            # answer tens of empty fetches a second per consumer, CPU the loop's own stages want
+            self.consumers.append(RecordConsumer(cfg.broker, spec, group_id, **{"fetch.wait.max.ms": "500"})
+                                  .assign(partitions=partitions))
+
+    def poll(self, timeout: float, limit: int = 1000) -> list[Observed]:
+        """What arrived on any topic within about ``timeout`` (at most ``limit`` deliveries per topic)."""
+        out: list[Observed] = []
+        for consumer in self.consumers:
+            wait = timeout / len(self.consumers)
+            for _ in range(limit):
+                try:
+                    delivery = consumer.poll(wait)
+                except RecordError as exc:
+                    log.error("skipping a record that does not decode: %s", exc)
+                    continue
+                if delivery is None:
+                    break
+                wait = 0.0  # take what is already fetched, then go on to the next topic
+                out.extend(Observed(consumer.spec, delivery.position, r) for r in delivery.records)
+        return out
+
+    def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Observed]:
+        """Everything until no topic has delivered for ``idle_s`` (tansu's end offsets are unreliable)."""
+        out: list[Observed] = []
+        started = last = time.monotonic()
+        while time.monotonic() - last < idle_s and time.monotonic() - started < max_wait_s:
+            got = self.poll(0.2)
+            if got:
+                out.extend(got)
+                last = time.monotonic()
+        return out
+
+    def close(self) -> None:
+        for consumer in self.consumers:
+            consumer.close()
+
+
+def archived(run_dir: str | Path, specs: Iterable[topics.TopicSpec] = FEED_TOPICS) -> Iterator[Observed]:
+    """The archived records of ``specs``, topic by topic, each in partition and offset order."""
+    load_manifest(run_dir)  # a clear error when the folder holds no archive
+    for spec in specs:
+        for row in iter_rows(run_dir, spec.name):
+            position = Position(spec.name, row["partition"], row["offset"])
+            try:
+                records = decode(row["value"], spec.record, position)
+            except RecordError as exc:
+                log.error("skipping an archived record that does not decode: %s", exc)
+                continue
+            yield from (Observed(spec, position, record) for record in records)
+
+
+def follow(feed: TopicFeed, observers: Iterable[Observer], stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Feed every observer each record as it arrives, until ``stop`` is set."""
+    observers = list(observers)
+    while not stop.is_set():
+        for item in feed.poll(poll_s):
+            for observer in observers:
+                observer.observe(item)

@@ -1,0 +1,105 @@
+"""``milestream replay --step N``: recompute a logged trainer step and compare it bit for bit.
+
+The batch of step N is rebuilt from the log: its record on ``buffer.metrics`` (the lineage's, see
+log/audit.py) names its groups in order, and ``buffer.groups`` holds them. The learner starts
+from the newest checkpoint before step N, trains the logged batches of the steps in between, then
+takes step N and compares its loss and gradient norm with the logged ones. Arithmetic on one CPU
+thread is deterministic, so on the backend the run used (``local``) they match exactly.
+``replay_steps`` does the same for a range of steps, from any log source (``milestream replay
+--redrive trainer --steps A:B``, observe/redrive.py).
+"""
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from milestream.config import Config
+from milestream.train import checkpoint
+from milestream.log.audit import lineage
+from milestream.log.archive import archived_messages
+from milestream.train.learner import CollectedGroup, Learner
+from milestream.infra.model import configure_process
+from milestream.schemas import topics
+from milestream.schemas.records import GroupSample, Metrics
+
+COMPARED = ("loss", "grad_norm")
+GroupFetcher = Callable[[set[str]], dict[str, list[GroupSample]]]  # group ids -> their logged samples
+
+
+class StepReplayError(RuntimeError):
+    """The log or the checkpoints cannot rebuild the step."""
+
+
+@dataclass(frozen=True)
+class StepReplay:
+    step: int
+    from_checkpoint: int  # the step whose checkpoint the replay started from
+    logged: dict[str, float]
+    replayed: dict[str, float]
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return all(_bits(self.logged[k]) == _bits(self.replayed[k]) for k in COMPARED)
+
+
+def _bits(value: float) -> bytes:
+    return struct.pack("<d", value)
+
+
+def checkpoint_before(run_dir: Path, step: int) -> tuple[int, dict]:
+    """The newest checkpoint of a step before ``step`` (0: the initial weights, no checkpoint)."""
+    found = sorted((int(p.name.split("_")[1]), p) for p in checkpoint.checkpoint_root(run_dir).glob("step_*")
+                   if p.is_dir() and int(p.name.split("_")[1]) < step)
+    if not found:
+        return 0, {}
+    at, folder = found[-1]
+    return at, torch.load(folder / "checkpoint.pt", weights_only=False)
+
+
+def logged_groups(run_dir: Path, wanted: set[str]) -> dict[str, list[GroupSample]]:
+    groups: dict[str, list[GroupSample]] = {}
+    for _, _, samples in archived_messages(run_dir, topics.GROUPS):
+        if samples and samples[0].group_id in wanted:
+            groups.setdefault(samples[0].group_id, samples)  # a re-emission carries the same group
+    return groups
+
+
+def replay_step(cfg: Config, run_dir: str | Path, step: int) -> StepReplay:
+    steps, _ = lineage(run_dir)
+    return replay_steps(cfg, run_dir, steps, functools.partial(logged_groups, Path(run_dir)), step, step)[0]
+
+
+def replay_steps(cfg: Config, run_dir: str | Path, steps: dict[int, Metrics], fetch_groups: GroupFetcher,
+                 first: int, last: int) -> list[StepReplay]:
+    """Steps ``first``..``last`` of the lineage ``steps``, recomputed from the checkpoint before ``first``."""
+    run_dir = Path(run_dir)
+    absent = [s for s in range(first, last + 1) if s not in steps]
+    if absent:
+        raise StepReplayError(f"steps {absent} are not on the log of {run_dir} (steps {min(steps, default=0)}"
+                              f"..{max(steps, default=0)})")
+    at, payload = checkpoint_before(run_dir, first)
+    missing = [s for s in range(at + 1, first) if s not in steps]
+    if missing:
+        raise StepReplayError(f"no record of steps {missing} to replay from the checkpoint of step {at}")
+    configure_process(cfg.model)
+    learner = Learner(cfg.with_overrides(trainer={"backend": "local"}))
+    if payload:
+        learner.load_state_dict(payload["backend"])
+        checkpoint.restore(payload)
+    records: list[Metrics] = [steps[s] for s in range(at + 1, last + 1)]
+    groups = fetch_groups({g for r in records for g in r.group_ids})
+    replayed = []
+    for record in records:
+        absent_groups = [g for g in record.group_ids if g not in groups]
+        if absent_groups:
+            raise StepReplayError(f"step {record.step}: groups {absent_groups[:3]} are not on the logged buffer.groups")
+        figures = learner.train_step([CollectedGroup(g, groups[g], 0) for g in record.group_ids])
+        if record.step >= first:
+            replayed.append(StepReplay(record.step, at, {k: record.values[k] for k in COMPARED},
+                                       {k: figures[k] for k in COMPARED}))
+    return replayed

@@ -1,0 +1,129 @@
+"""Re-drive the stream processor and the trainer offline on a run's logged records, and compare.
+
+Processor: the logged rollout records (``rollout.trajectories``, ``rollout.logprobs``,
+``rollout.routing``) go through the broker-free group assembly and arrival drop rules of
+``streams/groups.py``, with the run's ``buffer.filter`` and ``buffer.max_staleness``, in broker
+timestamp order, interleaved with ``weights.versions`` (the newest version seen decides the stale
+pre-drop, as in the live processor). Each group's offline outcome is compared with the logged one:
+``emitted`` (on ``buffer.groups``; its samples must then be identical to the logged ones) or the
+reason of a ``buffer.dropped`` record written by the processor. The live processor expires a group
+still incomplete after ``buffer.incomplete_after_s`` of wall time; offline, a group still partial at
+the end of the log (``partial``) agrees with a logged ``incomplete`` drop or with no outcome yet.
+The stale pre-drop depends on when the live processor saw a version relative to a group's last
+record, so a group completing within milliseconds of a version may legitimately differ; such a
+disagreement is reported, never hidden.
+
+Trainer: the logged steps A..B recomputed from the checkpoint before A (``step_replay.replay_steps``)
+and compared bit for bit with the logged loss and gradient norm.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from milestream.config import Config
+from milestream.observe.selection import trainer_lineage
+from milestream.log.reader import LoggedMessage, LogSource
+from milestream.observe.recompute import StepReplay, replay_steps
+from milestream.schemas import topics
+from milestream.schemas.records import GroupSample, WeightVersion
+from milestream.streams.groups import GroupAssembler, MismatchError, load_filter
+
+EMITTED, PARTIAL, PENDING = "emitted", "partial", "pending"
+SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
+
+
+@dataclass(frozen=True)
+class ProcessorRedrive:
+    offline: dict[str, str]  # group id -> emitted | drop reason | partial
+    logged: dict[str, str]  # group id -> emitted | drop reason (by the processor) | pending
+    differing_samples: list[str] = field(default_factory=list)  # emitted both ways, samples not identical
+    rejected: list[str] = field(default_factory=list)  # records the rules refused (the live one dead-letters them)
+
+    @property
+    def disagreements(self) -> list[tuple[str, str, str]]:
+        """(group id, offline outcome, logged outcome) for every group whose outcomes differ."""
+        return [(g, self.offline.get(g, PENDING), self.logged.get(g, PENDING))
+                for g in sorted(self.offline.keys() | self.logged.keys())
+                if not _agree(self.offline.get(g, PENDING), self.logged.get(g, PENDING))]
+
+    @property
+    def agrees(self) -> bool:
+        return not self.disagreements and not self.differing_samples
+
+    def summary(self) -> dict[str, object]:
+        return {"groups": len(self.offline.keys() | self.logged.keys()), "offline": _count(self.offline),
+                "logged": _count(self.logged), "agrees": self.agrees,
+                "disagreements": [list(d) for d in self.disagreements], "differing_samples": self.differing_samples,
+                "rejected": self.rejected}
+
+
+def _agree(offline: str, logged: str) -> bool:
+    return offline == logged or (offline == PARTIAL and logged in ("incomplete", PENDING))
+
+
+def _count(outcomes: dict[str, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for outcome in outcomes.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _in_time_order(source: LogSource) -> list[LoggedMessage]:
+    """Versions and rollout records merged by broker timestamp; each partition stays in offset order."""
+    streams = [[m for m in source.messages(spec) if m.partition == p]
+               for spec in (topics.WEIGHT_VERSIONS, *SOURCES)
+               for p in sorted({m.partition for m in source.messages(spec)})]
+    # a version stamped in the same millisecond as a record counts as seen first (streams[0] wins ties)
+    return list(heapq.merge(*streams, key=lambda m: m.timestamp_ms))
+
+
+def logged_outcomes(source: LogSource) -> tuple[dict[str, str], dict[str, list[GroupSample]]]:
+    """Per group, what the live processor did; and the samples of each emitted group (first emission)."""
+    outcomes: dict[str, str] = {}
+    emitted: dict[str, list[GroupSample]] = {}
+    for m in source.messages(topics.GROUPS):
+        if m.records:
+            emitted.setdefault(m.records[0].group_id, m.records)
+            outcomes[m.records[0].group_id] = EMITTED
+    for m in source.messages(topics.DROPPED):
+        for drop in m.records:
+            if drop.dropped_by == "processor":
+                outcomes[drop.group_id] = drop.reason
+    return outcomes, emitted
+
+
+def redrive_processor(cfg: Config, source: LogSource) -> ProcessorRedrive:
+    assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.buffer.max_staleness)
+    offline: dict[str, str] = {}
+    samples: dict[str, list[GroupSample]] = {}
+    rejected: list[str] = []
+    for message in _in_time_order(source):
+        for record in message.records:
+            if isinstance(record, WeightVersion):
+                assembler.latest_version = max(assembler.latest_version, record.version)
+                continue
+            offline.setdefault(record.group_id, PARTIAL)
+            try:
+                outcome, _ = assembler.add(record)
+            except MismatchError as exc:
+                rejected.append(f"{message.topic}[{message.partition}]@{message.offset}: field {exc.field}: {exc}")
+                continue
+            if outcome is not None:
+                offline[outcome.group_id] = EMITTED if outcome.dropped is None else outcome.dropped.reason
+                samples[outcome.group_id] = outcome.samples
+    logged, emitted = logged_outcomes(source)
+    differing = sorted(g for g in samples.keys() & emitted.keys()
+                       if offline[g] == logged.get(g) == EMITTED and samples[g] != emitted[g])
+    return ProcessorRedrive(offline, logged, differing, rejected)
+
+
+def redrive_trainer(cfg: Config, run_dir: str | Path, source: LogSource, first: int, last: int) -> list[StepReplay]:
+    """Steps ``first``..``last`` recomputed from the checkpoint before ``first`` (RUN_DIR/checkpoints)."""
+    steps = trainer_lineage(source.messages(topics.METRICS))
+
+    def fetch_groups(wanted: set[str]) -> dict[str, list[GroupSample]]:
+        return {g: samples for g, samples in logged_outcomes(source)[1].items() if g in wanted}
+
+    return replay_steps(cfg, run_dir, steps, fetch_groups, first, last)

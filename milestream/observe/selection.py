@@ -1,0 +1,237 @@
+"""A run's trajectories as one table, selected by step, group, time or offset, and exported to Parquet.
+
+One row per trajectory sample on ``rollout.trajectories`` (the first record of a trajectory id; a
+re-published duplicate is the same sample), joined with its log-probs from ``rollout.logprobs`` and
+with what became of its group:
+
+=====================  ====================================================================================
+column                 meaning
+=====================  ====================================================================================
+group_id               the group (``PROMPT#ATTEMPT``); ``trajectory_id`` = ``GROUP/SAMPLE``
+prompt_id              the prompt; ``sample_index`` and ``group_size`` place the sample in its group
+outcome                ``trained`` (a step of the lineage trained it), ``dropped`` (buffer.dropped),
+                       ``buffered`` (on buffer.groups, not trained when the run stopped) or ``pending``
+                       (the processor had not completed the group)
+step, staleness        the trainer step that trained the group and the group's staleness then (null if not)
+drop_reason            aborted / filtered / stale / incomplete, with ``drop_detail`` and ``dropped_by``
+                       (processor or trainer); null unless dropped
+reward, status         the verifier's reward; completed / truncated / aborted
+engine_id, worker_id   who generated it; ``submitted_at`` / ``finished_at``: unix seconds
+partition, offset      its rollout.trajectories record; ``timestamp_ms`` is that record's broker timestamp
+group_partition,       its group's buffer.groups record (null if the group was never emitted)
+group_offset
+prompt_text            the prompt ids decoded with the run's tokenizer (chat template included)
+response_text          the response ids decoded, special tokens kept
+num_response_tokens    length of the per-token lists below
+response_ids           token ids; ``response_tokens``: each one decoded alone
+logprobs               behaviour log-prob of each response token (null if none was logged)
+token_versions         the weight version that produced each token; ``min_version`` / ``max_version``
+loss_mask              1 where the token counts in the loss
+=====================  ====================================================================================
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from milestream.log.reader import LogSource, LoggedMessage
+from milestream.schemas import topics
+from milestream.schemas.records import Dropped, LogProbs, Metrics, Record, Trajectory
+
+Decoder = Callable[[list[int]], str]
+
+SAMPLE_SCHEMA = pa.schema([
+    ("group_id", pa.string()), ("trajectory_id", pa.string()), ("prompt_id", pa.string()),
+    ("sample_index", pa.int32()), ("group_size", pa.int32()), ("outcome", pa.string()),
+    ("step", pa.int64()), ("staleness", pa.int32()), ("drop_reason", pa.string()), ("drop_detail", pa.string()),
+    ("dropped_by", pa.string()), ("reward", pa.float32()), ("status", pa.string()), ("engine_id", pa.string()),
+    ("worker_id", pa.string()), ("submitted_at", pa.float64()), ("finished_at", pa.float64()),
+    ("partition", pa.int32()), ("offset", pa.int64()), ("timestamp_ms", pa.int64()),
+    ("group_partition", pa.int32()), ("group_offset", pa.int64()),
+    ("prompt_text", pa.string()), ("response_text", pa.string()), ("num_response_tokens", pa.int32()),
+    ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
+    ("response_tokens", pa.list_(pa.string())), ("logprobs", pa.list_(pa.float32())),
+    ("token_versions", pa.list_(pa.int32())), ("min_version", pa.int32()), ("max_version", pa.int32()),
+    ("loss_mask", pa.list_(pa.int8())),
+])
+
+
+BY_TRAJECTORY = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)  # an offset names samples
+BY_GROUP = (topics.PROMPTS, topics.GROUPS, topics.DROPPED, topics.METRICS)  # an offset names groups
+
+
+class SelectionError(ValueError):
+    pass
+
+
+def trainer_lineage(messages: Iterable[LoggedMessage]) -> dict[int, Metrics]:
+    """Per step, the trainer's record the surviving model went through (a redone step's later one)."""
+    return {record.step: record for m in messages for record in m.records
+            if isinstance(record, Metrics) and record.source == "trainer"}
+
+
+@dataclass(frozen=True)
+class GroupFate:
+    """What became of one group, from buffer.groups, buffer.dropped and the trainer's lineage."""
+
+    outcome: str
+    step: int | None = None
+    staleness: int | None = None
+    drop: Dropped | None = None
+    emitted_at: tuple[int, int] | None = None  # buffer.groups (partition, offset)
+
+
+def group_fates(source: LogSource) -> dict[str, GroupFate]:
+    emitted: dict[str, tuple[int, int]] = {}
+    for m in source.messages(topics.GROUPS):
+        if m.records:
+            emitted.setdefault(m.records[0].group_id, (m.partition, m.offset))
+    fates = {g: GroupFate("buffered", emitted_at=at) for g, at in emitted.items()}
+    for m in source.messages(topics.DROPPED):
+        for drop in m.records:
+            fates[drop.group_id] = GroupFate("dropped", drop=drop, emitted_at=emitted.get(drop.group_id))
+    for step, record in sorted(trainer_lineage(source.messages(topics.METRICS)).items()):
+        for group_id, lag in zip(record.group_ids, record.group_staleness):
+            fates[group_id] = GroupFate("trained", step, lag, emitted_at=emitted.get(group_id))
+    return fates
+
+
+def _first_by_trajectory(messages: Iterable[LoggedMessage]) -> dict[str, tuple[LoggedMessage, Record]]:
+    out: dict[str, tuple[LoggedMessage, Record]] = {}
+    for m in messages:
+        for record in m.records:
+            out.setdefault(record.trajectory_id, (m, record))
+    return out
+
+
+def _sample_row(message: LoggedMessage, t: Trajectory, logprobs: LogProbs | None, fate: GroupFate,
+                decode_text: Decoder, prompt_text: str) -> dict[str, Any]:
+    drop = fate.drop
+    return {
+        **{name: getattr(t, name) for name in ("group_id", "trajectory_id", "prompt_id", "sample_index", "group_size",
+                                               "reward", "status", "engine_id", "worker_id", "submitted_at",
+                                               "finished_at", "prompt_ids", "response_ids", "token_versions",
+                                               "loss_mask")},
+        "outcome": fate.outcome, "step": fate.step, "staleness": fate.staleness,
+        "drop_reason": drop and drop.reason, "drop_detail": drop and drop.detail, "dropped_by": drop and drop.dropped_by,
+        "partition": message.partition, "offset": message.offset, "timestamp_ms": message.timestamp_ms,
+        "group_partition": fate.emitted_at and fate.emitted_at[0], "group_offset": fate.emitted_at and fate.emitted_at[1],
+        "prompt_text": prompt_text, "response_text": decode_text(t.response_ids),
+        "num_response_tokens": len(t.response_ids), "response_tokens": [decode_text([i]) for i in t.response_ids],
+        "logprobs": None if logprobs is None else logprobs.logprobs,
+        "min_version": min(t.token_versions, default=None), "max_version": max(t.token_versions, default=None),
+    }
+
+
+def sample_table(source: LogSource, decode_text: Decoder) -> pa.Table:
+    """Every trajectory sample of the log with its decoded text and its group's fate (columns above)."""
+    fates = group_fates(source)
+    logprobs = {tid: record for tid, (_, record) in _first_by_trajectory(source.messages(topics.LOGPROBS)).items()}
+    prompts: dict[tuple[int, ...], str] = {}
+    rows = []
+    for tid, (message, t) in _first_by_trajectory(source.messages(topics.TRAJECTORIES)).items():
+        key = tuple(t.prompt_ids)
+        if key not in prompts:
+            prompts[key] = decode_text(t.prompt_ids)
+        rows.append(_sample_row(message, t, logprobs.get(tid), fates.get(t.group_id, GroupFate("pending")),
+                                decode_text, prompts[key]))
+    return pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class OffsetRange:
+    """Records ``first`` to ``last`` (inclusive) of one topic-partition."""
+
+    topic: str
+    partition: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which samples to keep; every criterion given must hold (an empty selection keeps all)."""
+
+    steps: tuple[int, int] | None = None  # inclusive: the groups these trainer steps trained
+    group_ids: frozenset[str] = field(default_factory=frozenset)
+    since_ms: int | None = None  # rollout.trajectories timestamps, since inclusive, until exclusive
+    until_ms: int | None = None
+    offsets: OffsetRange | None = None
+    sample_index: int | None = None
+
+    def apply(self, table: pa.Table, source: LogSource) -> pa.Table:
+        masks = []
+        if self.steps is not None:
+            masks.append(pc.and_(pc.greater_equal(table["step"], self.steps[0]),
+                                 pc.less_equal(table["step"], self.steps[1])))
+        if self.group_ids:
+            masks.append(pc.is_in(table["group_id"], pa.array(sorted(self.group_ids))))
+        if self.since_ms is not None:
+            masks.append(pc.greater_equal(table["timestamp_ms"], self.since_ms))
+        if self.until_ms is not None:
+            masks.append(pc.less(table["timestamp_ms"], self.until_ms))
+        if self.offsets is not None:
+            column, ids = ids_in_range(source, self.offsets)
+            masks.append(pc.is_in(table[column], pa.array(sorted(ids), pa.string())))
+        if self.sample_index is not None:
+            masks.append(pc.equal(table["sample_index"], self.sample_index))
+        if not masks:
+            return table
+        keep = masks[0]
+        for mask in masks[1:]:
+            keep = pc.and_(keep, mask)
+        return table.filter(pc.fill_null(keep, False))
+
+
+def ids_in_range(source: LogSource, span: OffsetRange) -> tuple[str, set[str]]:
+    """The samples an offset range covers: ("trajectory_id", ids) for rollout records, else ("group_id", ids)."""
+    try:
+        spec = topics.by_name(span.topic)
+    except KeyError as exc:
+        raise SelectionError(str(exc)) from None
+    if spec not in BY_TRAJECTORY + BY_GROUP:
+        raise SelectionError(f"topic {span.topic} carries no group ids; select by offset on one of "
+                             f"{[s.name for s in BY_TRAJECTORY + BY_GROUP]}")
+    records = [r for m in source.messages(spec) if m.partition == span.partition and span.first <= m.offset <= span.last
+               for r in m.records]
+    if spec in BY_TRAJECTORY:
+        return "trajectory_id", {r.trajectory_id for r in records}
+    return "group_id", {g for r in records for g in (r.group_ids if isinstance(r, Metrics) else [r.group_id])}
+
+
+def parse_time(text: str) -> int:
+    """Unix seconds (``1764553200.5``) or ISO 8601 (``2026-12-01T02:19:04``, local time if no zone) -> ms."""
+    try:
+        return round(float(text) * 1000)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise SelectionError(f"time {text!r}: neither unix seconds nor ISO 8601") from None
+    return round(moment.astimezone().timestamp() * 1000)
+
+
+def parse_span(text: str, what: str) -> tuple[int, int]:
+    """``N`` or ``A:B`` (inclusive) -> (first, last)."""
+    first, _, last = text.partition(":")
+    try:
+        span = (int(first), int(last or first))
+    except ValueError:
+        raise SelectionError(f"{what} {text!r}: expected N or A:B") from None
+    if span[0] > span[1]:
+        raise SelectionError(f"{what} {text!r}: the range is empty")
+    return span
+
+
+def export_parquet(table: pa.Table, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, compression="zstd")
+    return path

@@ -1,0 +1,150 @@
+"""One training step on a batch of groups, whatever the backend: the trainer's arithmetic, free of Kafka.
+
+    advantages  trainer.advantage_estimator over the whole batch (train/estimators.py); ppo's
+                GAE reads the value head's V before the step (a forward without gradient)
+    loss        make_loss(trainer) per prompt of each group, divided by the batch's token count
+    step        the backend's (local, FSDP2 or Megatron-core): backward, clip, AdamW
+
+The trainer runs it on every rank; ``milestream replay --step N`` runs it on the logged batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from milestream.config import Config
+from milestream.train.backends import TrainBackend, make_backend
+from milestream.train.estimators import AdvantageInputs, advantage_options, compute_advantages
+from milestream.train.logprobs import pad
+from milestream.train.losses import LossInput, make_loss
+from milestream.train.routing_replay import recorded_routing
+from milestream.schemas.records import GroupSample
+
+
+@dataclass(frozen=True)
+class CollectedGroup:
+    group_id: str
+    samples: list[GroupSample]
+    staleness: int
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The samples of one group that share a prompt, with their advantages: one microbatch."""
+
+    prompt_ids: list[int]
+    samples: list[GroupSample]
+    advantages: torch.Tensor  # [len(samples), longest response]
+    returns: torch.Tensor | None = None  # ppo: the value targets, and V before the step
+    old_values: torch.Tensor | None = None
+
+
+class Learner:
+    def __init__(self, cfg: Config, backend: TrainBackend | None = None):
+        self.cfg = cfg
+        self.backend = backend or make_backend(cfg)
+        self.loss = make_loss(cfg.trainer)
+        self.with_values = cfg.trainer.advantage_estimator == "ppo"
+        if self.with_values and not hasattr(self.backend, "logprobs_and_values"):
+            raise ValueError(f"ppo's value head runs on trainer.backend=local, not {cfg.trainer.backend}")
+        self.with_reference = bool(cfg.trainer.kl_coef)
+        if self.with_reference and not hasattr(self.backend, "reference_logprobs"):
+            raise ValueError(f"trainer.kl_coef's reference policy runs on trainer.backend=local, not {cfg.trainer.backend}")
+
+    def train_step(self, batch: Sequence[CollectedGroup]) -> dict[str, float]:
+        """One optimizer step over the batch; the step's figures (loss and grad norm first)."""
+        samples = [s for g in batch for s in g.samples]
+        total_tokens = max(sum(sum(s.loss_mask) for s in samples), 1)
+        microbatches = self._microbatches(batch)
+
+        def loss_fn(rows: PromptRows) -> tuple[torch.Tensor, dict[str, float]]:
+            logp, values = self._forward(rows)
+            mask = pad([s.loss_mask for s in rows.samples]).to(logp.device)
+            rollout_logp = pad([s.logprobs for s in rows.samples]).to(logp.device)
+            width = mask.shape[1]
+            advantages = rows.advantages[:, :width].to(logp.device)
+            returns, old_values = ((t[:, :width].to(logp.device) if t is not None else None)
+                                   for t in (rows.returns, rows.old_values))
+            out = self.loss(LossInput(logp, logp.detach(), rollout_logp, advantages, mask,  # one step: pi_old = pi
+                                      returns=returns, values=values, old_values=old_values))
+            return out.loss_sum / total_tokens, {**out.figures, "tokens": float(out.tokens)}
+
+        result = self.backend.step(microbatches, loss_fn, self.cfg.trainer.max_grad_norm)
+        figures = dict(result.figures)
+        tokens = max(figures.pop("tokens"), 1.0)
+        rewards = [s.reward for s in samples]
+        return {
+            "loss": result.loss, "grad_norm": result.grad_norm, "reward_mean": sum(rewards) / len(rewards),
+            **{name: total / tokens for name, total in figures.items()},  # the loss's figures, per token
+            "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
+        }
+
+    def _forward(self, rows: PromptRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+        responses = [s.response_ids for s in rows.samples]
+        replay = self._routing(rows.samples)
+        if self.with_values:
+            return self.backend.logprobs_and_values(rows.prompt_ids, responses, self.cfg.rollout.temperature, **replay)
+        return self.backend.logprobs(rows.prompt_ids, responses, self.cfg.rollout.temperature, **replay), None
+
+    def _routing(self, samples: Sequence[GroupSample]) -> dict[str, Any]:
+        """The backend's ``routing`` argument when the samples' recorded MoE routing is replayed."""
+        routing = recorded_routing(self.cfg.trainer, samples)
+        return {} if routing is None else {"routing": routing}
+
+    def _microbatches(self, batch: Sequence[CollectedGroup]) -> list[PromptRows]:
+        """Advantages over the whole batch (some estimators whiten across it), cut per group and prompt."""
+        parts = [(prompt_ids, rows) for g in batch for prompt_ids, rows in by_prompt(g.samples)]
+        samples = [s for _, rows in parts for s in rows]
+        group_of = {id(s): i for i, g in enumerate(batch) for s in g.samples}
+        inputs = AdvantageInputs(torch.tensor([s.reward for s in samples]),
+                                 torch.tensor([group_of[id(s)] for s in samples]),
+                                 pad([s.loss_mask for s in samples]),
+                                 # the KL penalty compares the policy that sampled with the reference
+                                 old_logp=pad([s.logprobs for s in samples]) if self.with_reference else None,
+                                 ref_logp=self._reference_logprobs(parts) if self.with_reference else None,
+                                 values=self._values_before_step(parts) if self.with_values else None)
+        result = compute_advantages(self.cfg.trainer.advantage_estimator, inputs, advantage_options(self.cfg.trainer))
+        sizes = [len(rows) for _, rows in parts]
+        split = lambda t: t.split(sizes) if t is not None else [None] * len(parts)  # noqa: E731
+        return [PromptRows(prompt_ids, rows, advantages, returns, old_values)
+                for (prompt_ids, rows), advantages, returns, old_values
+                in zip(parts, result.advantages.split(sizes), split(result.returns), split(inputs.values))]
+
+    def _reference_logprobs(self, parts: list[tuple[list[int], list[GroupSample]]]) -> torch.Tensor:
+        rows = [r for prompt_ids, samples in parts
+                for r in self.backend.reference_logprobs(prompt_ids, [s.response_ids for s in samples],
+                                                         self.cfg.rollout.temperature).cpu()]
+        return _stack_padded(rows)
+
+    def _values_before_step(self, parts: list[tuple[list[int], list[GroupSample]]]) -> torch.Tensor:
+        """V of every response token under the current value head, [samples, longest response]."""
+        with torch.no_grad():
+            rows = [v for prompt_ids, samples in parts
+                    for v in self.backend.logprobs_and_values(prompt_ids, [s.response_ids for s in samples],
+                                                              self.cfg.rollout.temperature,
+                                                              **self._routing(samples))[1].cpu()]
+        return _stack_padded(rows)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.backend.export_weights()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.backend.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.backend.load_state_dict(state)
+
+
+def _stack_padded(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rows of per-group widths, right-padded with 0 to the longest: [len(rows), longest]."""
+    longest = max(row.shape[0] for row in rows)
+    return torch.stack([torch.nn.functional.pad(row, (0, longest - row.shape[0])) for row in rows])
+
+
+def by_prompt(samples: Sequence[GroupSample]) -> list[tuple[list[int], list[GroupSample]]]:
+    rows: dict[tuple[int, ...], list[GroupSample]] = {}
+    for sample in samples:
+        rows.setdefault(tuple(sample.prompt_ids), []).append(sample)
+    return [(list(prompt), group) for prompt, group in rows.items()]

@@ -1,0 +1,65 @@
+"""Policy log-probs of sampled responses, with the shared prompt run once per group.
+
+The G samples of a group share their prompt. Running the prompt once and repeating its KV cache G
+times (differentiably: the gradient of the G copies sums into the one prompt pass) costs
+P + G*T tokens instead of G*(P + T): about 3x less on the default task, the same numbers as a
+plain forward up to float rounding.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from milestream.train.tensor_ops import token_logprobs
+
+
+def pad(rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32) -> Tensor:
+    """Right-padded [len(rows), longest] tensor."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def shared_prompt_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                           temperature: float = 1.0) -> Tensor:
+    """[G, T] log-prob of each response token (right-padded with 0) under ``model``."""
+    return shared_prompt_forward(model, prompt_ids, responses, temperature)[0]
+
+
+def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                          temperature: float = 1.0, hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The log-probs, and with ``hidden`` the last hidden state [G, T, H] that predicted each response
+    token (what a value head reads: the state before the token was chosen)."""
+    prompt = torch.tensor([list(prompt_ids)])
+    first = model(input_ids=prompt, use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
+    group = len(responses)
+    tokens = pad(responses, dtype=torch.long)
+    logits = first.logits[:, -1:].expand(group, 1, -1)  # predicts every response's first token
+    states = first.hidden_states[-1][:, -1:].expand(group, 1, -1) if hidden else None
+    if tokens.shape[1] > 1:
+        cache = first.past_key_values
+        cache.batch_repeat_interleave(group)
+        start = len(prompt_ids)
+        positions = torch.arange(start, start + tokens.shape[1] - 1).expand(group, -1)
+        rest = model(input_ids=tokens[:, :-1], past_key_values=cache, position_ids=positions,
+                     output_hidden_states=hidden)
+        logits = torch.cat([logits, rest.logits], dim=1)
+        if hidden:
+            states = torch.cat([states, rest.hidden_states[-1]], dim=1)
+    return token_logprobs(logits / max(temperature, 1e-6), tokens), states
+
+
+def plain_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                   temperature: float = 1.0) -> Tensor:
+    """The same figures from one full forward per sequence: the reference the shared path must match."""
+    longest = max(len(r) for r in responses)
+    out = []
+    for response in responses:
+        row = torch.tensor(list(prompt_ids) + list(response))
+        logits = model(input_ids=row.unsqueeze(0)).logits[0, len(prompt_ids) - 1:-1]
+        logp = token_logprobs(logits / max(temperature, 1e-6), row[len(prompt_ids):])
+        out.append(torch.nn.functional.pad(logp, (0, longest - len(response))))
+    return torch.stack(out)

@@ -1,0 +1,129 @@
+"""The trainer: collect groups from ``buffer.groups``, take a step, publish the new version.
+
+  collect  batch_groups fresh groups; a stale one (current version - oldest token version >
+           max_staleness) is dropped onto buffer.dropped instead, as Miles does at collection
+  step     train/learner.py on the backend trainer.backend names (local, fsdp2, megatron)
+  publish  the new weights on weights.versions, the step's figures on buffer.metrics
+  persist  model + optimizer + RNG + consumed offsets, atomically, every checkpoint_every steps
+
+Under torchrun (fsdp2, megatron) rank 0 alone talks to Kafka, Redis and the disk: it collects each
+batch and broadcasts it; every rank computes the step.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import torch.distributed as dist
+
+from milestream.config import Config
+from milestream.train import checkpoint
+from milestream.train.collector import GroupCollector
+from milestream.train.learner import CollectedGroup, Learner
+from milestream.infra.kafka import Admin, RecordProducer
+from milestream.infra.model import configure_process
+from milestream.schemas import topics
+from milestream.schemas.records import Metrics
+from milestream.streams import weights
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        configure_process(cfg.model)
+        self.cfg = cfg
+        self.learner = Learner(cfg)
+        self.leader = self.learner.backend.rank == 0
+        self.state = self._resume()
+        self.stopping = False
+        if self.leader:
+            self.producer = RecordProducer(cfg.broker, client_id="trainer")
+            self.sender = weights.make_sender(cfg)  # cfg.weights.transport
+            self.collector = GroupCollector(cfg, self.producer, self.state.offsets,
+                                            Admin(cfg.broker).partitions(topics.GROUPS), self.state.seen_groups)
+
+    def _resume(self) -> checkpoint.TrainerState:
+        payload = checkpoint.load_latest(self.cfg.run.run_dir)
+        if payload is None:
+            return checkpoint.TrainerState()
+        self.learner.load_state_dict(payload["backend"])
+        state = checkpoint.restore(payload)
+        log.info("resumed at step %d (version %d), offsets %s", state.step, state.version, state.offsets)
+        return state
+
+    def run(self) -> None:
+        if self.cfg.weights.noise_check and self.state.version == 0:
+            # the engines start from noise: the initial weights reach them as version 0 before they generate
+            exported = self.learner.export_weights()  # collective: every rank
+            if self.leader:
+                self.sender.publish(self.producer, 0, 0, exported)
+        while self.state.step < self.cfg.trainer.steps and not self.stopping:
+            started = time.monotonic()
+            batch = self.collect()
+            if batch is None:  # the leader is stopping: so is every rank, in step
+                self.stopping = True
+                break
+            figures = self.learner.train_step(batch)
+            self.state.step += 1
+            self.state.version += 1
+            exported = self.learner.export_weights()  # collective: every rank
+            if self.leader:
+                self.sender.publish(self.producer, self.state.version, self.state.step, exported)
+                # published before the checkpoint: a checkpointed step's record is always on the log. A
+                # step killed before its checkpoint is redone after resume and published again; the
+                # later record of a step is the one of the run's lineage (log/audit.py)
+                self._publish_metrics(batch, {**figures, "step_s": time.monotonic() - started})
+            if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
+                self.save()
+        if self.stopping and self.state.step % self.cfg.trainer.checkpoint_every:
+            self.save()
+        if self.leader:
+            self.producer.flush()
+            self.collector.close()
+            self.sender.close()
+
+    def collect(self) -> list[CollectedGroup] | None:
+        """The next batch (None: stop), read by the leader and broadcast to every other rank."""
+        batch = None
+        if self.leader:
+            taken = self.collector.take(self.cfg.trainer.batch_groups, self.state.version, lambda: self.stopping)
+            if taken is not None:
+                batch = [CollectedGroup(group.group_id, group.samples, lag) for group, lag in taken]
+        if self.learner.backend.world_size > 1:
+            shared = [batch]
+            dist.broadcast_object_list(shared, src=0)
+            batch = shared[0]
+        return batch
+
+    def save(self) -> None:
+        learner_state = self.learner.state_dict()  # collective: every rank
+        if self.leader:
+            self.state.offsets = self.collector.offsets()
+            checkpoint.save(self.cfg.run.run_dir, self.state, learner_state, keep=self.cfg.trainer.keep_checkpoints)
+
+    def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
+        lags = [g.staleness for g in batch]
+        values = {**figures, "version": float(self.state.version),
+                  **self.collector.credit.queue_figures(self.state.version),
+                  "credit_available": float(self.collector.credit.available()),
+                  "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
+                  **self.collector.pool_figures(self.state.version)}
+        record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)
+        self.producer.send(topics.METRICS, [record], key="trainer")
+        self.producer.flush()
+        log.info("step %d reward %.3f loss %.4f staleness %.2f/%d queue %d (%.1fs)", self.state.step,
+                 values["reward_mean"], values["loss"], values["staleness_mean"], max(lags), values["queue_size"],
+                 figures["step_s"])
+
+
+def run_trainer(cfg: Config) -> None:
+    trainer = Trainer(cfg)
+
+    def stop(*_):
+        trainer.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    trainer.run()

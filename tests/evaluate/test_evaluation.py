@@ -1,0 +1,222 @@
+"""Evaluation as a consumer of weights.versions, one test per mode, on the tiny model and the real broker.
+
+The weight versions are real disk snapshots published by the disk transport (no training): random LoRA
+tensors, so every version holds different weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from milestream.config import Config
+from milestream.evaluate.evaluation import EngineEvaluation, EvaluationLoop, HeldOut, SharedEvaluation, \
+    VersionFeed, held_out_prompts
+from milestream.evaluate.external import ExternalEvaluation
+from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.model import load_model, load_tokenizer, load_trainable_state_dict, trainable_state_dict
+from milestream.producers.engine import CpuEngine, GenerateRequest, SamplingParams
+from milestream.producers.loader import load_prompts
+from milestream.producers.tasks import iter_prompts
+from milestream.producers.worker import RolloutWorker
+from milestream.schemas import topics
+from milestream.schemas.records import WeightVersion
+from milestream.streams.weights import publish_version
+
+PLUGINS = str(Path(__file__).parents[1] / "plugins")
+
+
+def eval_cfg(cfg: Config, **knobs) -> Config:
+    # trainer.steps far away: only every_versions decides which versions are due
+    return cfg.with_overrides(eval={"every_versions": 2, "num_prompts": 4, "max_new_tokens": 4, **knobs},
+                              trainer={"steps": 100})
+
+
+def publish_versions(cfg: Config, versions: range) -> dict[int, dict[str, torch.Tensor]]:
+    """Each version a safetensors snapshot under RUN_DIR/weights announced on weights.versions (step = version)."""
+    names = trainable_state_dict(load_model(cfg.model, dtype=torch.float32))
+    generator = torch.Generator().manual_seed(7)
+    producer = RecordProducer(cfg.broker)
+    published = {}
+    for version in versions:
+        tensors = {name: torch.randn(t.shape, generator=generator) for name, t in names.items()}
+        publish_version(producer, cfg.run.run_dir, version, version, tensors, keep=len(versions))
+        published[version] = tensors
+    return published
+
+
+async def results_of(loop: EvaluationLoop, count: int, max_steps: int = 400) -> list:
+    results = []
+    for _ in range(max_steps):
+        results += await loop.step(timeout=0.5)
+        if len(results) >= count:
+            return results
+    raise AssertionError(f"only {results} after {max_steps} loop steps")
+
+
+def on_topic(cfg: Config) -> list:
+    consumer = RecordConsumer(cfg.broker, topics.EVAL_RESULTS, "audit").assign(partitions=[0])
+    try:
+        return [r for d in consumer.drain(idle_s=1.0, max_wait_s=10.0) for r in d.records]
+    finally:
+        consumer.close()
+
+
+def test_held_out_questions_are_distinct_entries_the_loader_never_serves(cfg):
+    cfg = eval_cfg(cfg, num_prompts=16).with_overrides(data={"size": 50})
+    held_out = held_out_prompts(cfg)
+    assert len({p.question for p in held_out}) == 16
+    assert min(p.index for p in held_out) >= cfg.data.size  # past every index the training loader reads
+    training = {p.index for p in iter_prompts(cfg.data)}
+    assert training == set(range(50)) and not training & {p.index for p in held_out}
+
+
+def test_the_version_feed_keeps_what_a_lag_reading_took(cfg):
+    producer = RecordProducer(cfg.broker)
+    for version in (1, 2):  # announcements alone: the feed never opens a snapshot
+        producer.send(topics.WEIGHT_VERSIONS, [WeightVersion(version, version, -1, "disk", "", [], [], 0, 0.0)])
+    producer.flush()
+    feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, "eval-test").assign(partitions=[0]))
+    try:
+        assert feed.lag(1, wait_s=10.0) in (0, 1)  # reads the current step: 1, or 2 if both arrived
+        got = []
+        while batch := feed.read(1.0):
+            got += [record.version for record, _ in batch]
+    finally:
+        feed.close()
+    assert got == [1, 2] and feed.latest_step == 2
+
+
+def test_dedicated_engine_evaluates_due_versions_from_their_snapshots(cfg):
+    cfg = eval_cfg(cfg, mode="dedicated")
+    tensors = publish_versions(cfg, range(1, 5))
+    Path(cfg.run.run_dir, "weights", "v000002.safetensors").unlink()  # version 2's snapshot is gone
+    evaluation = EngineEvaluation(cfg)
+    loop = EvaluationLoop(cfg, evaluation)
+    skipped, ok = asyncio.run(results_of(loop, 2))
+
+    assert (skipped.version, skipped.step, skipped.status, skipped.lag_steps) == (2, 2, "skipped", 2)
+    assert "v000002.safetensors is gone" in skipped.detail and math.isnan(skipped.score)
+    assert (ok.version, ok.step, ok.status, ok.lag_steps, ok.name) == (4, 4, "ok", 0, "heldout")
+    assert evaluation.engine.version == 4 and json.loads(ok.detail)["prompts"] == 4
+    # the same held-out set on a fresh engine given version 4's tensors directly: the same completions
+    reference = CpuEngine(cfg.model, cfg.rollout)
+    (expected,) = asyncio.run(reference_score(reference, cfg, 4, tensors[4]))
+    assert (ok.score, ok.detail) == (expected.value, expected.detail)
+    assert [(r.version, r.status) for r in on_topic(cfg)] == [(2, "skipped"), (4, "ok")]
+
+    # a restarted evaluator carries on after its committed position: the next due version, nothing again
+    asyncio.run(loop.evaluation.close())
+    loop.feed.close()
+    publish_versions(cfg, range(5, 7))
+    restarted = EvaluationLoop(cfg, EngineEvaluation(cfg))
+    (after,) = asyncio.run(results_of(restarted, 1))
+    asyncio.run(restarted.evaluation.close())
+    restarted.feed.close()
+    assert (after.version, after.status) == (6, "ok")
+
+
+async def reference_score(engine: CpuEngine, cfg: Config, version: int, tensors):
+    try:
+        await engine.update_weights(version, tensors)
+        return await HeldOut(cfg, load_tokenizer(cfg.model)).score(engine, version)
+    finally:
+        await engine.close()
+
+
+def test_external_evaluator_loads_an_hf_folder_and_a_failing_one_is_skipped(cfg, monkeypatch):
+    monkeypatch.syspath_prepend(PLUGINS)
+    from eval_hooks import PROBE
+
+    cfg = eval_cfg(cfg, mode="external", evaluator="eval_hooks:fails_on_version_2", keep_exports=1)
+    tensors = publish_versions(cfg, range(1, 5))
+    loop = EvaluationLoop(cfg, ExternalEvaluation(cfg))
+    failed, *scores = asyncio.run(results_of(loop, 3))
+    loop.feed.close()
+
+    assert (failed.version, failed.status, failed.name) == (2, "skipped", "heldout")
+    assert failed.detail == "RuntimeError: this evaluator fails on version 2 on purpose"
+    by_name = {r.name: r for r in scores}
+    assert set(by_name) == {"heldout/version", "heldout/probe_logit"}
+    assert all((r.version, r.step, r.status, r.lag_steps) == (4, 4, "ok", 0) for r in scores)
+    assert by_name["heldout/version"].score == 4.0
+    # the folder holds version 4 with its LoRA merged: the probe matches the adapted policy's own forward
+    policy = load_model(cfg.model, dtype=torch.float32)
+    load_trainable_state_dict(policy, tensors[4])
+    tokenizer = load_tokenizer(cfg.model)
+    with torch.no_grad():
+        expected = float(policy(**tokenizer(PROBE, return_tensors="pt")).logits[0, -1].max())
+    assert math.isclose(by_name["heldout/probe_logit"].score, expected, rel_tol=1e-4)
+    exported = Path(cfg.run.run_dir, "eval")
+    assert [p.name for p in exported.iterdir()] == ["v000004"]  # eval.keep_exports=1
+    assert json.loads(by_name["heldout/version"].detail)["folder"] == str(exported / "v000004")
+
+
+def test_shared_engine_pauses_new_submissions_and_aborts_nothing_in_flight(cfg):
+    cfg = eval_cfg(cfg, mode="shared", shared_worker="w-eval")
+    tokenizer = load_tokenizer(cfg.model)
+    tensors = publish_versions(cfg, range(1, 3))
+    engine = CpuEngine(cfg.model, cfg.rollout)
+    evaluation = SharedEvaluation(cfg, "w-eval", RecordProducer(cfg.broker), tokenizer)
+    assert not SharedEvaluation(cfg, "w-other", RecordProducer(cfg.broker), tokenizer).enabled
+
+    async def scenario():
+        await engine.update_weights(2, tensors[2])
+        assert await evaluation.maybe_evaluate(engine, 1, 1) == []  # not due: nothing runs
+        long = GenerateRequest("in-flight", (1, 2, 3), SamplingParams(max_new_tokens=120, temperature=1.0))
+        in_flight = asyncio.create_task(engine.generate(long))
+        await asyncio.sleep(0)  # submitted before the evaluation starts
+        running = asyncio.create_task(evaluation.maybe_evaluate(engine, 2, 2))
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(evaluation.admission())
+        assert evaluation.evaluating and not in_flight.done()  # 120 tokens: still decoding beside the evaluation
+        while evaluation.evaluating:
+            assert not waiting.done()  # a new submission waits for the whole evaluation
+            await asyncio.sleep(0.01)
+        await waiting
+        return await running, await in_flight
+
+    async def closing_engine():
+        try:
+            return await scenario()
+        finally:
+            await engine.close()
+            evaluation.close()
+
+    (result,), in_flight = asyncio.run(closing_engine())
+    assert in_flight.finish_reason != "abort" and len(in_flight.output_ids) > 0
+    assert (result.version, result.step, result.status, result.lag_steps) == (2, 2, "ok", 0)
+    assert [(r.version, r.status) for r in on_topic(cfg)] == [(2, "ok")]
+
+
+def test_shared_mode_runs_inside_the_rollout_worker(cfg):
+    cfg = eval_cfg(cfg, mode="shared", shared_worker="w-eval")
+    publish_versions(cfg, range(3, 4))  # the engine jumps from 0 to 3, over the due version 2: 3 is evaluated
+    load_prompts(cfg, count=8)
+    worker = RolloutWorker(cfg, "w-eval", CpuEngine(cfg.model, cfg.rollout), load_tokenizer(cfg.model))
+    trajectories = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))
+    seen, results = [], []
+
+    def evaluated_and_rolled_out() -> bool:
+        results.extend(on_topic(cfg)[len(results):])
+        seen.extend(r for d in trajectories.drain(idle_s=0.2, max_wait_s=2) for r in d.records)
+        return bool(results) and len(seen) >= cfg.rollout.group_size
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        for _ in range(240):
+            if await asyncio.to_thread(evaluated_and_rolled_out):
+                break
+            await asyncio.sleep(0.5)
+        stop.set()
+        await task
+        await worker.engine.close()
+
+    asyncio.run(run())
+    trajectories.close()
+    assert [(r.version, r.step, r.status) for r in results] == [(3, 3, "ok")]
+    assert seen and all(t.status != "aborted" and set(t.token_versions) == {3} for t in seen)

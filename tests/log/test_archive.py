@@ -1,0 +1,290 @@
+"""The durable log on one machine: archive every topic to Parquet, republish it into a fresh broker
+byte for byte at the same offsets, and resume a run whose in-memory broker was restarted."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from pathlib import Path
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+from milestream.log.archive import Archiver, ArchiveState, archive_dir, read_topic
+from milestream.log.restore import republish
+from milestream.infra.kafka import RecordProducer, client_config, topic_name
+from milestream.infra.services import EmbeddedBroker
+from milestream.schemas import topics
+from milestream.schemas.records import Metrics, Prompt
+from milestream.streams.credit import Credit
+
+RawRecord = tuple[bytes | None, bytes | None, tuple, tuple[int, int]]
+
+
+def raw_dump(cfg, idle_s: float = 3.0) -> dict[tuple[str, int, int], RawRecord]:
+    """Every record of the run's topics on the broker: (topic, partition, offset) -> key, value, headers, ts."""
+    consumer = Consumer(client_config(cfg.broker, **{"group.id": f"dump-{time.time()}", "enable.auto.commit": "false",
+                                                     "fetch.message.max.bytes": str(cfg.broker.max_message_bytes)}))
+    names = {topic_name(cfg.broker, spec): spec.name for spec in topics.CATALOGUE}
+    metadata = consumer.list_topics(timeout=10).topics
+    consumer.assign([TopicPartition(full, p, OFFSET_BEGINNING) for full in names for p in metadata[full].partitions])
+    out = {}
+    try:
+        while batch := consumer.consume(1000, timeout=idle_s):
+            for msg in batch:
+                if not msg.error():
+                    key = (names[msg.topic()], msg.partition(), msg.offset())
+                    out[key] = (msg.key(), msg.value(), tuple(msg.headers() or ()), msg.timestamp())
+    finally:
+        consumer.close()
+    return out
+
+
+def produce_mixed(cfg, start: int, count: int) -> None:
+    """Typed records on keyed and single-partition topics, and raw oddities the archive must keep."""
+    records = RecordProducer(cfg.broker, client_id="archive-test")
+    for i in range(start, start + count):
+        prompt = Prompt(f"p-{i}", "chain_sum", i, f"{i} + 1 = ?", str(i + 1), "{}")
+        records.send(topics.PROMPTS, [prompt], key=prompt.prompt_id)
+        records.send(topics.METRICS, [Metrics("test", i, float(i), {"x": float(i)})], key="test")
+    records.flush()
+    raw = Producer(client_config(cfg.broker, **{"message.max.bytes": str(cfg.broker.max_message_bytes)}))
+    spec = topics.DEADLETTER  # any bytes are legal on the wire; the archive does not decode
+    raw.produce(topic_name(cfg.broker, spec), value=None, key=b"tombstone", partition=1, timestamp=1_000 + start)
+    raw.produce(topic_name(cfg.broker, spec), value=b"\x00\xffnot arrow", key=None, partition=2,
+                headers=[("a", b"1"), ("a", None), ("ms-schema", b"Bogus/9")])
+    raw.produce(topic_name(cfg.broker, spec), value=bytes(range(256)) * 8192, key=b"big", partition=0)  # 2 MiB
+    raw.flush(30)
+
+
+def archive_until_idle(cfg, **options) -> Archiver:
+    archiver = Archiver(cfg, **options)
+    stop = threading.Event()
+    stop.set()  # no live phase: just drain what is there (until idle) and flush
+    archiver.run(stop)
+    return archiver
+
+
+def test_archive_republish_is_byte_exact(cfg, tmp_path):
+    options = {"segment_records": 7, "flush_s": 0.2, "idle_s": 3.0}
+    produce_mixed(cfg, 0, 20)
+    archive_until_idle(cfg, **options)
+    after_first = (archive_dir(cfg.run.run_dir) / "state.json").read_bytes()
+
+    # a later life archives more; then its state writes are "lost" (a crash after its segments were
+    # renamed): the next life must move past those segments, not archive their records again
+    produce_mixed(cfg, 20, 15)
+    archive_until_idle(cfg, **options)
+    (archive_dir(cfg.run.run_dir) / "state.json").write_bytes(after_first)
+    produce_mixed(cfg, 35, 5)
+    committer = Consumer(client_config(cfg.broker, **{"group.id": f"{cfg.broker.topic_prefix}rollout"}))
+    committer.commit(offsets=[TopicPartition(topic_name(cfg.broker, topics.PROMPTS), 1, 3)], asynchronous=False)
+    committer.close()
+    archive_until_idle(cfg, **options)
+
+    source = raw_dump(cfg)
+    for spec in topics.CATALOGUE:  # each record archived exactly once, offsets dense from 0
+        table = read_topic(cfg.run.run_dir, spec.name)
+        pairs = list(zip(table["partition"].to_pylist(), table["offset"].to_pylist()))
+        assert len(pairs) == len(set(pairs)) == sum(1 for t, *_ in source if t == spec.name)
+    assert ArchiveState.load(cfg.run.run_dir).groups[f"{cfg.broker.topic_prefix}rollout"] == {"prompts": {1: 3}}
+
+    fresh = EmbeddedBroker().start()
+    try:
+        target = cfg.with_overrides(broker={"bootstrap_servers": fresh.bootstrap_servers})
+        report = republish(target, cfg.run.run_dir)
+        assert raw_dump(target) == source  # same topics, partitions, offsets, keys, headers, timestamps, bytes
+        assert report.records["prompts"] == 40 and report.records["deadletter"] == 9
+        check = Consumer(client_config(target.broker, **{"group.id": f"{cfg.broker.topic_prefix}rollout"}))
+        committed = check.committed([TopicPartition(topic_name(target.broker, topics.PROMPTS), 1)], timeout=10)
+        check.close()
+        assert committed[0].offset == 3
+    finally:
+        fresh.stop()
+
+
+def test_replay_cli_describes_and_republishes(cfg, tmp_path):
+    from milestream.cli import main
+
+    produce_mixed(cfg, 0, 3)
+    archive_until_idle(cfg, idle_s=3.0)
+    assert main(["replay", "--run-dir", cfg.run.run_dir]) == 0
+    fresh = EmbeddedBroker().start()
+    try:
+        assert main(["replay", "--republish", "--run-dir", cfg.run.run_dir,
+                     "--bootstrap-servers", fresh.bootstrap_servers]) == 0
+        assert raw_dump(cfg.with_overrides(broker={"bootstrap_servers": fresh.bootstrap_servers})) == raw_dump(cfg)
+    finally:
+        fresh.stop()
+
+
+# ---- a run whose broker restarts mid-run resumes from the archive ------------------------------
+
+def wait_until(condition, timeout_s: float, what: str, children=()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        for child in children:
+            if child.proc.poll() is not None:
+                raise AssertionError(f"{child.name} exited ({child.proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+class Outcomes:
+    """Trained (from the trainer's step metrics) and dropped group ids, read as they land."""
+
+    def __init__(self, cfg):
+        from milestream.infra.kafka import RecordConsumer
+
+        self.metrics = RecordConsumer(cfg.broker, topics.METRICS, "audit").assign(partitions=[0])
+        self.drops = RecordConsumer(cfg.broker, topics.DROPPED, "audit").assign(partitions=range(cfg.broker.partitions))
+        self.trained: set[str] = set()
+        self.dropped: dict[str, str] = {}
+        self.steps: set[int] = set()
+
+    def catch_up(self) -> "Outcomes":
+        for record in (r for d in self.metrics.drain(0.2, 5.0) for r in d.records if r.source == "trainer"):
+            self.trained.update(record.group_ids)
+            self.steps.add(record.step)
+        self.dropped.update({r.group_id: r.reason for d in self.drops.drain(0.2, 5.0) for r in d.records})
+        return self
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.drops.close()
+
+
+def archived_records(run_dir, spec) -> list:
+    from milestream.schemas.codec import decode
+
+    return [r for row in read_topic(run_dir, spec.name).to_pylist() for r in decode(row["value"], spec.record)]
+
+
+def start_life(cfg, config_path: Path, run_dir: Path, life: int):
+    from milestream.orchestrator import start_stages
+
+    logs = run_dir / "logs" / f"life{life}"
+    logs.mkdir(parents=True, exist_ok=True)
+    children, trainer = start_stages(cfg, config_path, logs)
+    assert children[0].name == "archiver"  # started first, stopped last
+    return children, trainer
+
+
+def stop_life(children) -> None:
+    """Stages first (the trainer checkpoints, the processor commits), then the archiver drains."""
+    archiver, *stages = children
+    for child in reversed(stages):
+        child.stop(grace=120.0 if child.name == "trainer" else 30.0)
+    archiver.stop(grace=60.0)
+    for child in children:  # -9: killed on purpose by kill_rollout_mid_group
+        assert child.proc.returncode in (0, -15, -9), f"{child.name} exited with {child.proc.returncode}:\n{child.tail()}"
+
+
+def kill_rollout_mid_group(cfg, children) -> None:
+    """SIGKILL the rollout workers as soon as a group is half published, as a crash would leave it:
+    some samples on the log, the rest never generated, the prompt's offset not committed."""
+    from milestream.infra.kafka import RecordConsumer
+
+    reader = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))
+    samples: collections.Counter[str] = collections.Counter()
+
+    def half_published() -> bool:
+        samples.update(t.group_id for d in reader.drain(0.05, 1.0) for t in d.records)
+        return any(0 < n < cfg.rollout.group_size for n in samples.values())
+
+    try:
+        wait_until(half_published, 300, "a half-published group", children)
+    finally:
+        reader.close()
+    for child in (c for c in children if c.name.startswith("rollout")):
+        child.proc.kill()
+        child.proc.wait()
+
+
+def dump_logs(run_dir: Path) -> None:
+    for log in sorted((run_dir / "logs").glob("*/*.log")):
+        print(f"==== {log.parent.name}/{log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+
+
+def restart_broker(broker: EmbeddedBroker) -> EmbeddedBroker:
+    """The in-memory broker goes, and with it every record and committed offset; a new, empty one
+    comes up on the same port, so the stages' configuration stays valid."""
+    broker.proc.kill()
+    broker.proc.wait()
+    restarted = EmbeddedBroker()
+    restarted.port = broker.port
+    return restarted.start()
+
+
+def audit_archive(run_dir: Path, entered: set[str]) -> None:
+    """The whole run, both brokers, as the archive holds it."""
+    versions = [v.version for v in archived_records(run_dir, topics.WEIGHT_VERSIONS)]
+    assert versions == list(range(1, len(versions) + 1))  # no version skipped or published twice
+    for spec in topics.CATALOGUE:  # one archive across both brokers: every offset once, dense from 0
+        table = read_topic(run_dir, spec.name)
+        for partition in set(table["partition"].to_pylist()):
+            offsets = [o for p, o in zip(table["partition"].to_pylist(), table["offset"].to_pylist()) if p == partition]
+            assert offsets == list(range(len(offsets))), (spec.name, partition)
+    steps = [m for m in archived_records(run_dir, topics.METRICS) if m.source == "trainer"]
+    trained = {g for m in steps for g in m.group_ids}
+    dropped = {d.group_id for d in archived_records(run_dir, topics.DROPPED)}
+    emitted = {s.group_id for s in archived_records(run_dir, topics.GROUPS)}
+    assert entered <= trained | dropped  # no group lost
+    assert trained <= emitted and not trained & dropped
+    # each group in one trainer step only: the resumed trainer did not train a group again
+    once = collections.Counter(g for m in {m.step: m for m in steps}.values() for g in m.group_ids)
+    assert max(once.values()) == 1
+
+
+def test_run_survives_broker_restart(cfg, tmp_path):
+    from milestream.train import checkpoint
+    from milestream.log.restore import resume
+
+    broker = EmbeddedBroker().start()
+    # two samples at a time: a group is half published for half its generation, so the crash below
+    # catches one mid-way
+    run = cfg.with_overrides(broker={"bootstrap_servers": broker.bootstrap_servers},
+                             rollout={"max_inflight_samples": 2},
+                             trainer={"steps": 40, "checkpoint_every": 1}, run={"max_wall_s": 600})
+    run_dir = Path(run.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(run.to_yaml())
+    children: list = []
+    try:
+        children, trainer = start_life(run, config_path, run_dir, 1)
+        wait_until(lambda: (checkpoint.load_latest(run_dir) or {"state": {"step": 0}})["state"]["step"] >= 2,
+                   400, "two trainer steps before the restart", children)
+        kill_rollout_mid_group(run, children)
+        stop_life(children)
+        entered = {t.group_id for t in archived_records(run_dir, topics.TRAJECTORIES)}
+        resumed_from = checkpoint.load_latest(run_dir)["state"]["step"]
+
+        broker = restart_broker(broker)
+        before = Credit(run).available()  # what the stopped run left in Redis
+        report, accounting = resume(run, run_dir)
+        assert report.records["rollout.trajectories"] == len(archived_records(run_dir, topics.TRAJECTORIES))
+        assert {f"{run.broker.topic_prefix}rollout", f"{run.broker.topic_prefix}milestream-processor"} <= report.groups.keys()
+        assert set(accounting.queued) <= {g.group_id for g in archived_records(run_dir, topics.GROUPS)}
+        assert Credit(run).queued() == len(accounting.queued)
+        sizes = collections.Counter(t.group_id for t in archived_records(run_dir, topics.TRAJECTORIES))
+        print(f"restart: {len(entered)} groups entered ({sum(n < run.rollout.group_size for n in sizes.values())} "
+              f"half published), trainer at step {resumed_from}; credit {before} -> {accounting}")
+
+        children, trainer = start_life(run, config_path, run_dir, 2)
+        outcomes = Outcomes(run)
+        settled = lambda: not entered - (outcomes.catch_up().trained | outcomes.dropped.keys()) \
+            and max(outcomes.steps, default=0) >= resumed_from + 2
+        wait_until(settled, 500, "every group that entered before the restart to be trained or dropped", children)
+        outcomes.close()
+        stop_life(children)
+    except BaseException:
+        for child in children:
+            child.stop(grace=5.0)
+        dump_logs(run_dir)
+        raise
+    finally:
+        broker.stop()
+
+    assert "resumed at step" in (run_dir / "logs" / "life2" / "trainer.log").read_text()
+    audit_archive(run_dir, entered)

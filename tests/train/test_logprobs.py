@@ -1,0 +1,21 @@
+import torch
+
+from milestream.config import ModelConfig
+from milestream.train.logprobs import plain_logprobs, shared_prompt_logprobs
+from milestream.infra.model import load_model
+
+
+def test_shared_prompt_matches_plain_forward_values_and_gradients():
+    model = load_model(ModelConfig(name="tiny-random", dtype="float32", lora_rank=4, seed=1), dtype=torch.float32)
+    prompt = [5, 17, 300, 42, 7]
+    responses = [[11, 12, 13], [21], [31, 32, 33, 34, 35]]
+    shared = shared_prompt_logprobs(model, prompt, responses, temperature=0.7)
+    reference = plain_logprobs(model, prompt, responses, temperature=0.7)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
+    assert torch.allclose(shared * mask, reference * mask, atol=1e-5)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads_shared = torch.autograd.grad((shared * mask).sum(), params)
+    grads_plain = torch.autograd.grad((reference * mask).sum(), params)
+    for a, b in zip(grads_shared, grads_plain):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
