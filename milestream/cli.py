@@ -58,9 +58,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _rollout(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.evaluate.evaluation import shared_evaluation
     from milestream.producers.worker import run_worker
 
-    run_worker(cfg, worker_id=args.worker_id)
+    run_worker(cfg, worker_id=args.worker_id, hook=shared_evaluation(cfg, args.worker_id))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Held-out evaluation as a consumer of ``weights.versions``, in Miles' three modes (``eval.mode``).
 
   shared     the rollout engine of worker ``eval.shared_worker`` evaluates: the worker awaits
-             ``SharedEvaluation.admission()`` before each new submission and calls ``maybe_evaluate`` once it
+             ``SharedEvaluation.admission()`` before each new submission and calls ``after_version`` once it
              has applied a version; meanwhile new submissions wait and the requests in flight go on
   dedicated  ``milestream eval`` with a CpuEngine of its own that loads each due version through the
              configured transport's receiver (disk: the version's safetensors snapshot; disk-delta: the chain)
@@ -168,17 +168,18 @@ async def publish_outcome(cfg: Config, version: int, step: int, outcome: list[Sc
 
 
 class SharedEvaluation:
-    """``eval.mode: shared`` inside a rollout worker; inert (admission always open) on any other worker."""
+    """``eval.mode: shared``: the hook (``producers.worker.EngineHook``) that evaluates due versions on the
+    rollout engine of worker ``eval.shared_worker``; new submissions wait while it runs."""
 
-    def __init__(self, cfg: Config, worker_id: str, producer: RecordProducer, tokenizer: PreTrainedTokenizerBase):
-        self.cfg, self.producer = cfg, producer
-        self.enabled = cfg.eval.mode == "shared" and worker_id == cfg.eval.shared_worker
+    def __init__(self, cfg: Config, worker_id: str, tokenizer: PreTrainedTokenizerBase):
+        self.cfg = cfg
+        self.producer = RecordProducer(cfg.broker, client_id=f"eval-shared-{worker_id}")
         self._open = asyncio.Event()
         self._open.set()
         self._applied = 0  # the newest version this engine applied (0: the initial weights it starts from)
-        self.heldout = HeldOut(cfg, tokenizer) if self.enabled else None
+        self.heldout = HeldOut(cfg, tokenizer)
         self.feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{worker_id}-eval-steps")
-                                .assign(partitions=[0]), keep=False) if self.enabled else None
+                                .assign(partitions=[0]), keep=False)
 
     async def admission(self) -> None:
         """Returns at once unless an evaluation runs; then when it is over."""
@@ -188,13 +189,12 @@ class SharedEvaluation:
     def evaluating(self) -> bool:
         return not self._open.is_set()
 
-    async def maybe_evaluate(self, engine: Engine, version: int, step: int) -> list[EvalResult]:
+    async def after_version(self, engine: Engine, version: int, step: int) -> list[EvalResult]:
         """Call after each applied version. An engine that follows only the newest version may jump over a
         multiple of ``eval.every_versions``: the first version it applies at or past one is evaluated."""
         previous, self._applied = self._applied, max(self._applied, version)
         every = self.cfg.eval.every_versions
-        if not self.enabled or version <= previous or not (version // every > previous // every
-                                                            or is_due(self.cfg, version, step)):
+        if version <= previous or not (version // every > previous // every or is_due(self.cfg, version, step)):
             return []
         self._open.clear()
         try:
@@ -204,8 +204,15 @@ class SharedEvaluation:
         return await publish_outcome(self.cfg, version, step, outcome, self.feed, self.producer)
 
     def close(self) -> None:
-        if self.feed is not None:
-            self.feed.close()
+        self.feed.close()
+        self.producer.flush()
+
+
+def shared_evaluation(cfg: Config, worker_id: str) -> SharedEvaluation | None:
+    """The rollout worker's engine hook: a SharedEvaluation on worker ``eval.shared_worker`` in shared mode."""
+    if cfg.eval.mode != "shared" or worker_id != cfg.eval.shared_worker:
+        return None
+    return SharedEvaluation(cfg, worker_id, load_tokenizer(cfg.model))
 
 
 class EvaluationLoop:

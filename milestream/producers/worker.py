@@ -15,9 +15,9 @@ import signal
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from milestream.config import Config
-from milestream.evaluate.evaluation import SharedEvaluation
 from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.producers.engine import CpuEngine, Engine, sampling_params
@@ -49,8 +49,32 @@ class Group:
         return self.task.prompt.group_id
 
 
+class EngineHook(Protocol):
+    """Work that shares this worker's engine between submissions (``eval.mode: shared`` evaluation):
+    injected by whoever starts the worker, so rollout never imports the consumers built on top of it."""
+
+    async def admission(self) -> None:
+        """Returns when a new submission may start."""
+
+    async def after_version(self, engine: Engine, version: int, step: int) -> None:
+        """Called once the engine has applied ``version``."""
+
+    def close(self) -> None: ...
+
+
+class NoHook:
+    async def admission(self) -> None:
+        return None
+
+    async def after_version(self, engine: Engine, version: int, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 class RolloutWorker:
-    def __init__(self, cfg: Config, worker_id: str, engine: Engine, tokenizer) -> None:
+    def __init__(self, cfg: Config, worker_id: str, engine: Engine, tokenizer, hook: EngineHook | None = None) -> None:
         self.cfg, self.worker_id, self.engine, self.tokenizer = cfg, worker_id, engine, tokenizer
         self.layers = load_layers(cfg)
         self.ctx = RolloutContext(cfg, worker_id, engine, tokenizer, sampling_params(cfg.rollout, tokenizer),
@@ -66,8 +90,7 @@ class RolloutWorker:
         self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
-        # eval.mode shared (evaluate/evaluation.py): this engine evaluates due versions; submissions wait meanwhile
-        self.evaluation = SharedEvaluation(cfg, worker_id, self.producer, tokenizer)
+        self.hook = hook or NoHook()
         self.samples_done = 0
         self.stalled_s = 0.0
 
@@ -82,7 +105,7 @@ class RolloutWorker:
         self.producer.flush()
         self.prompts.close()
         self.versions.close()
-        self.evaluation.close()  # eval.mode shared
+        self.hook.close()
 
     async def _admit_forever(self) -> None:
         await self.weights_ready.wait()
@@ -146,7 +169,7 @@ class RolloutWorker:
         if task.slots_taken >= task.size:
             task.admitted.set()
         try:
-            await self.evaluation.admission()  # eval.mode shared: a new submission waits out an evaluation
+            await self.hook.admission()  # e.g. a shared evaluation running on this engine
             return await self.layers.generate(self.ctx, task.prompt, f"{task.prompt.group_id}/{index}")
         finally:
             if not self.group_refill:
@@ -218,7 +241,7 @@ class RolloutWorker:
             return
         weights.acknowledge(self.producer, self.worker_id, record, tensors)
         log.info("engine %s now at weight version %d", self.worker_id, record.version)
-        await self.evaluation.maybe_evaluate(self.engine, record.version, record.step)  # eval.mode shared
+        await self.hook.after_version(self.engine, record.version, record.step)
 
     async def _report(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
         started = time.monotonic()
@@ -245,10 +268,10 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
     return CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
 
 
-def run_worker(cfg: Config, worker_id: str) -> None:
+def run_worker(cfg: Config, worker_id: str, hook: EngineHook | None = None) -> None:
     configure_process(cfg.model)
     engine = make_engine(cfg, worker_id)
-    worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model))
+    worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model), hook)
 
     async def main() -> None:
         stop = asyncio.Event()
