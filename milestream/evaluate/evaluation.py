@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
-from milestream.producers.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
+from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
 from milestream.producers.tasks import TaskPrompt, build_input_ids, iter_prompts, score
 from milestream.schemas import topics
 from milestream.schemas.records import EvalResult, WeightVersion

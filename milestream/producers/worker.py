@@ -20,8 +20,8 @@ from typing import Protocol
 from milestream.config import Config
 from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
-from milestream.producers.engine import CpuEngine, Engine, sampling_params
-from milestream.producers.moe_routing import routing_records
+from milestream.engines.engine import CpuEngine, Engine, sampling_params
+from milestream.engines.moe_routing import routing_records
 from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
@@ -260,7 +260,7 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
     engine server, milestream's router, or SGLang servers behind it; weight versions reach them as
     disk files this worker stages under the run folder."""
     if cfg.rollout.engine_url:
-        from milestream.producers.http_engine import HttpEngine
+        from milestream.engines.http_engine import HttpEngine
 
         return HttpEngine(cfg.rollout.engine_url, weights_dir=cfg.run_path / "engine-weights" / worker_id,
                           key_header=cfg.router.key_header)

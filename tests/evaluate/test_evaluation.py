@@ -18,7 +18,7 @@ from milestream.evaluate.evaluation import EngineEvaluation, EvaluationLoop, Hel
 from milestream.evaluate.external import ExternalEvaluation
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, load_trainable_state_dict, trainable_state_dict
-from milestream.producers.engine import CpuEngine, GenerateRequest, SamplingParams
+from milestream.engines.engine import CpuEngine, GenerateRequest, SamplingParams
 from milestream.producers.loader import load_prompts
 from milestream.producers.tasks import iter_prompts
 from milestream.producers.worker import RolloutWorker

@@ -6,7 +6,7 @@ import time
 
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.model import load_tokenizer
-from milestream.producers.engine import CpuEngine
+from milestream.engines.engine import CpuEngine
 from milestream.producers.loader import load_prompts
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
