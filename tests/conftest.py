@@ -11,7 +11,7 @@ import pytest
 from milestream.config import Config
 from milestream.infra.kafka import Admin
 from milestream.infra.services import services
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 _namespaces = itertools.count()
 
@@ -40,5 +40,5 @@ def cfg(live_services: Config, tmp_path) -> Config:
         run={"run_dir": str(tmp_path / "run")},
     )
     Admin(cfg.broker).create_topics()
-    Credit(cfg).initialise()
+    BufferLedger(cfg).initialise()
     return cfg
