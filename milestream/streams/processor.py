@@ -72,7 +72,7 @@ class ProcessorApp(faust.App):
     partial group's early records and lose the group on restart (tests/streams/test_processor_restart).
     """
 
-    source_topics: frozenset[str] = frozenset()  # the join agent's; their offsets are source_offsets'
+    source_topics: frozenset[str] = frozenset()  # the join agent's topics: committed at source_offsets
     source_offsets: HeldOffsets | None = None
     fetch_wait_ms: int = 50
 
