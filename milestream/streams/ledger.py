@@ -17,7 +17,7 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
   before (re-sent after a processor restart) counts nothing.
 - taken early: the trainer can read a group before the processor has settled it (settling follows
   the broker's delivery report); such a group is noted, and settling it gives its credit back
-  instead of queuing it. The trainer taking a group gives its credit back once, whichever comes first.
+  instead of queuing it. Either way, and however often the trainer takes it, the credit comes back once.
 - the prompt feeder's position: prompts published, and prompts admitted by the workers.
 
 A resumed run finds these keys as the stopped run left them; ``reconcile`` rewrites them from the log

@@ -6,6 +6,7 @@ included (a restarted processor re-settles, a restarted trainer re-takes)."""
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 
 import pytest
@@ -19,7 +20,7 @@ class Model:
     def __init__(self, ledger: BufferLedger, rng: random.Random):
         self.ledger, self.rng = ledger, rng
         self.state: dict[str, str] = {}
-        self.ids = iter(range(10**6))
+        self.ids = itertools.count()
         self.moves: collections.Counter[str] = collections.Counter()
 
     def pick(self, *states: str) -> str | None:
