@@ -27,7 +27,7 @@ from milestream.infra.kafka import Admin, RecordConsumer
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.schemas import topics
 from milestream.schemas.records import Dropped, Metrics
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def prepare(cfg: Config) -> None:
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
     prepare(cfg)
     Admin(cfg.broker).create_topics()
-    Credit(cfg).initialise()
+    BufferLedger(cfg).initialise()
     children = [Child("archiver", ["archive"], config_path, log_dir)] if cfg.run.archive else []
     children += [Child("loader", ["load-prompts", "--follow"], config_path, log_dir),
                 Child("processor", ["process"], config_path, log_dir)]

@@ -15,7 +15,7 @@ from milestream.engines.engine import CpuEngine
 from milestream.infra.kafka import Admin
 from milestream.infra.model import load_tokenizer
 from milestream.infra.services import services
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 _namespaces = itertools.count()
 
@@ -44,7 +44,7 @@ def cfg(live_services: Config, tmp_path) -> Config:
         run={"run_dir": str(tmp_path / "run")},
     )
     Admin(cfg.broker).create_topics()
-    Credit(cfg).initialise()
+    BufferLedger(cfg).initialise()
     return cfg
 
 

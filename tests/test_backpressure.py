@@ -8,7 +8,7 @@ import time
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import start_stages
 from milestream.schemas import topics
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 
 def wait_for(condition, timeout: float = 180.0, what: str = "condition") -> None:
@@ -25,7 +25,7 @@ def test_paused_trainer_stalls_rollout_within_capacity(cfg, tmp_path):
     config_path.write_text(cfg.to_yaml())
     (tmp_path / "logs").mkdir()
     children, trainer = start_stages(cfg, config_path, tmp_path / "logs")
-    credit = Credit(cfg)
+    credit = BufferLedger(cfg)
     groups = RecordConsumer(cfg.broker, topics.GROUPS, "audit").assign(partitions=range(cfg.broker.partitions))
     emitted: set[str] = set()
 

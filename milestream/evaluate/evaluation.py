@@ -30,7 +30,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
-from confluent_kafka import TopicPartition
 from transformers import PreTrainedTokenizerBase
 
 from milestream.config import Config, import_path
@@ -225,7 +224,7 @@ class EvaluationLoop:
         consumer = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{cfg.broker.topic_prefix}eval-{cfg.eval.mode}",
                                   deadletter=self.producer)
         # assigned, not subscribed: a lone reader needs no group join (seconds on tansu), only its committed offset
-        self.feed = VersionFeed(consumer.assign(committed_offsets(consumer, [0]), partitions=[0]))
+        self.feed = VersionFeed(consumer.assign(consumer.committed([0]), partitions=[0]))
         self.pending: deque[tuple[WeightVersion, int]] = deque()
         # (version, checksums): a step the trainer redid after a crash is evaluated again only if it differs
         self.queued: set[tuple[int, int]] = set()
@@ -254,12 +253,6 @@ class EvaluationLoop:
             await self.evaluation.close()
             self.producer.flush()
             self.feed.close()
-
-
-def committed_offsets(consumer: RecordConsumer, partitions: list[int]) -> dict[int, int]:
-    """The group's committed next offsets of ``partitions`` (a partition never committed: absent)."""
-    wanted = [TopicPartition(consumer.topic, p) for p in partitions]
-    return {tp.partition: tp.offset for tp in consumer.consumer.committed(wanted, timeout=10) if tp.offset >= 0}
 
 
 class EngineEvaluation:

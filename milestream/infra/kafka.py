@@ -48,6 +48,15 @@ def new_topics(cfg: BrokerConfig, specs: Iterable[topics.TopicSpec] = topics.CAT
     ]
 
 
+def broker_answers(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
+    """Whether a broker answers a metadata request (an open port alone is not a ready broker)."""
+    try:
+        AdminClient({"bootstrap.servers": bootstrap_servers}).list_topics(timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no answer yet
+        return False
+
+
 class Admin:
     def __init__(self, cfg: BrokerConfig):
         self.cfg = cfg
@@ -183,27 +192,10 @@ class RecordConsumer(Generic[R]):
     def commit(self, offsets: dict[int, int]) -> None:
         self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()], asynchronous=False)
 
+    def committed(self, partitions: Iterable[int]) -> dict[int, int]:
+        """The group's committed next offsets of ``partitions`` (a partition never committed: absent)."""
+        wanted = [TopicPartition(self.topic, p) for p in partitions]
+        return {tp.partition: tp.offset for tp in self.consumer.committed(wanted, timeout=10) if tp.offset >= 0}
+
     def close(self) -> None:
         self.consumer.close()
-
-
-class OffsetTracker:
-    """Offsets safe to commit: per partition, below the lowest offset still in progress.
-
-    Work items may finish out of order; committing only below the oldest unfinished one means a
-    restart re-reads (never skips) what was in progress.
-    """
-
-    def __init__(self) -> None:
-        self._open: dict[int, set[int]] = {}
-        self._next: dict[int, int] = {}  # per partition: one past the highest offset started
-
-    def started(self, partition: int, offset: int) -> None:
-        self._open.setdefault(partition, set()).add(offset)
-        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
-
-    def done(self, partition: int, offset: int) -> None:
-        self._open[partition].discard(offset)
-
-    def committable(self) -> dict[int, int]:
-        return {p: min(self._open[p]) if self._open.get(p) else nxt for p, nxt in self._next.items()}

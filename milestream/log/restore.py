@@ -43,7 +43,7 @@ from milestream.infra.kafka import client_config
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, decode, decode_table
 from milestream.schemas.records import GroupSample, Prompt
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger, Reconciled
 
 log = logging.getLogger(__name__)
 
@@ -280,20 +280,12 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
     # the rollout workers' consumer group (milestream.producers.worker names it so)
     rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
     rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
-    credit = Credit(cfg)
+    ledger = BufferLedger(cfg)
     archived = ArchivedRun.read(Path(run_dir), state.seen_groups)
     unsettled = rewind_processor(cfg, archived, restored)
     accounting = derive_accounting(cfg, run_dir, archived, rollout_offsets, state.offsets, state.seen_groups,
-                                   credit.prompts_published())
-    with credit.client.pipeline(transaction=True) as tx:
-        tx.set(credit.key, accounting.credit)
-        tx.delete(credit.queued_key, credit.taken_early_key)
-        if accounting.queued:
-            tx.hset(credit.queued_key, mapping=accounting.queued)
-        tx.set(credit.admitted_key, accounting.prompts_admitted)
-        if unsettled:
-            tx.hdel(credit.group_states_key, *unsettled)
-        tx.execute()
+                                   ledger.prompts_published())
+    ledger.reconcile(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted, tuple(unsettled)))
     log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", accounting,
              len(unsettled))
     if accounting.credit < 0:
@@ -335,9 +327,8 @@ def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dic
             consumer.commit(offsets=rewound, asynchronous=False)
         finally:
             consumer.close()
-    credit = Credit(cfg)
-    states = credit.client.hkeys(credit.group_states_key)
-    return [g for g in (k.decode() for k in states) if g in entered and g not in archived.left]
+    sent = BufferLedger(cfg).settled_or_sending()
+    return sorted(g for g in sent if g in entered and g not in archived.left)
 
 
 def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple[Republished, Accounting]:

@@ -18,17 +18,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from milestream.config import Config
-from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
-from milestream.infra.model import configure_process, load_tokenizer
 from milestream.engines.engine import CpuEngine, Engine, sampling_params
 from milestream.engines.moe_routing import routing_records
+from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.model import configure_process, load_tokenizer
+from milestream.infra.offsets import HeldOffsets
 from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
 from milestream.streams import weights
 from milestream.streams.weights import verify
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -84,8 +85,8 @@ class RolloutWorker:
                                       deadletter=self.producer).subscribe()
         self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"rollout-{worker_id}-versions",
                                        deadletter=self.producer).assign(partitions=[0])
-        self.credit = Credit(cfg)
-        self.offsets = OffsetTracker()
+        self.ledger = BufferLedger(cfg)
+        self.offsets: HeldOffsets[int] = HeldOffsets()
         self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
         self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
@@ -122,17 +123,17 @@ class RolloutWorker:
     async def _next_group(self) -> Group:
         """Wait for a credit, then for a prompt; the credit is returned if no prompt comes."""
         while True:
-            if not self.credit.try_take():
+            if not self.ledger.try_take():
                 started = time.monotonic()
                 await asyncio.sleep(0.1)
                 self.stalled_s += time.monotonic() - started
                 continue
             delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
             if delivery is None:
-                self.credit.give_back()
+                self.ledger.give_back()
                 continue
             prompt = delivery.records[0]
-            self.credit.prompt_admitted()
+            self.ledger.prompt_admitted()
             self.offsets.started(delivery.position.partition, delivery.position.offset)
             return Group(GroupTask(prompt, self.cfg.rollout.group_size), delivery.position)
 

@@ -106,8 +106,7 @@ class Trainer:
     def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
         lags = [g.staleness for g in batch]
         values = {**figures, "version": float(self.state.version),
-                  **self.collector.credit.queue_figures(self.state.version),
-                  "credit_available": float(self.collector.credit.available()),
+                  **self.collector.ledger.figures(self.state.version),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
                   **self.collector.pool_figures(self.state.version)}
         record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)

@@ -15,7 +15,7 @@ from milestream.infra.kafka import RecordProducer, client_config, topic_name
 from milestream.infra.services import EmbeddedBroker
 from milestream.schemas import topics
 from milestream.schemas.records import Metrics, Prompt
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 RawRecord = tuple[bytes | None, bytes | None, tuple, tuple[int, int]]
 
@@ -261,12 +261,12 @@ def test_run_survives_broker_restart(cfg, tmp_path):
         resumed_from = checkpoint.load_latest(run_dir)["state"]["step"]
 
         broker = restart_broker(broker)
-        before = Credit(run).available()  # what the stopped run left in Redis
+        before = BufferLedger(run).available()  # what the stopped run left in Redis
         report, accounting = resume(run, run_dir)
         assert report.records["rollout.trajectories"] == len(archived_records(run_dir, topics.TRAJECTORIES))
         assert {f"{run.broker.topic_prefix}rollout", f"{run.broker.topic_prefix}milestream-processor"} <= report.groups.keys()
         assert set(accounting.queued) <= {g.group_id for g in archived_records(run_dir, topics.GROUPS)}
-        assert Credit(run).queued() == len(accounting.queued)
+        assert BufferLedger(run).queued() == len(accounting.queued)
         sizes = collections.Counter(t.group_id for t in archived_records(run_dir, topics.TRAJECTORIES))
         print(f"restart: {len(entered)} groups entered ({sum(n < run.rollout.group_size for n in sizes.values())} "
               f"half published), trainer at step {resumed_from}; credit {before} -> {accounting}")

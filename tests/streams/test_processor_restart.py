@@ -20,8 +20,8 @@ from synthetic import ProcessorProcess, all_partitions, expert_ids, group_record
 
 from milestream.infra.kafka import RecordProducer, client_config, topic_name
 from milestream.schemas import routing, topics
-from milestream.streams.credit import Credit
-from milestream.streams.processor import Settlements, app_id
+from milestream.streams.ledger import BufferLedger
+from milestream.streams.processor import app_id
 
 GROUP_SIZE = 4
 WAVES = 10
@@ -139,11 +139,11 @@ def test_sigkill_at_several_points_loses_no_group_and_counts_each_once(cfg, tmp_
     try:
         entered = drive_waves(cfg, processor, emitted)
         emitted.wait_for(entered, processor, timeout_s=240)
-        settlements = Settlements(cfg)  # settled once delivered: a moment after the group is readable
-        wait_until(lambda: settlements.totals().get("groups_out", 0) >= len(entered), 60,
+        ledger = BufferLedger(cfg)  # settled once delivered: a moment after the group is readable
+        wait_until(lambda: ledger.run_totals().get("groups_out", 0) >= len(entered), 60,
                    "the processor's run totals to count every group")
         emitted.catch_up(idle_s=2.0)  # late re-emissions from the last restart, if any
-        totals = settlements.totals()
+        totals = ledger.run_totals()
     except BaseException:
         print(processor.log_tail())
         raise
@@ -169,5 +169,5 @@ def test_sigkill_at_several_points_loses_no_group_and_counts_each_once(cfg, tmp_
     duplicates = sum(count - 1 for count in emitted.messages.values())
     print(f"{len(entered)} groups, {duplicates} duplicate emissions, processor totals {totals}")
     assert totals["groups_out"] == len(entered)
-    assert Credit(cfg).queued() == len(entered)
+    assert ledger.queued() == len(entered)
     assert duplicates <= totals.get("groups_resent", 0)
