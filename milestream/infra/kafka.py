@@ -51,7 +51,8 @@ def new_topics(cfg: BrokerConfig, specs: Iterable[topics.TopicSpec] = topics.CAT
 def broker_answers(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
     """Whether a broker answers a metadata request (an open port alone is not a ready broker)."""
     try:
-        AdminClient({"bootstrap.servers": bootstrap_servers}).list_topics(timeout=timeout_s)
+        # the embedded broker: plaintext on loopback, whatever the run's client settings say
+        AdminClient(client_config(BrokerConfig(bootstrap_servers=bootstrap_servers))).list_topics(timeout=timeout_s)
         return True
     except Exception:  # noqa: BLE001 - any failure means no answer yet
         return False
