@@ -5,7 +5,7 @@ the baseline, untouched, and the chaos run, whose trainer is SIGKILLed ``--kills
 points (each kill waits for a new checkpoint, then a random 0-0.5 s: mid-step, between publishing a
 step and checkpointing it, or during the start-up after the previous kill). The run supervises the
 trainer, which resumes from its checkpoint. Then the archived log and the last checkpoint are
-audited (log/audit.py). Prints one JSON line:
+audited (log/audit.py, against log/lineage.py). Prints one JSON line:
 
   kills               SIGKILLs that hit a live trainer
   groups_lost         groups on buffer.groups neither trained, dropped, nor waiting in the buffer

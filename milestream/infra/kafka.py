@@ -259,8 +259,8 @@ def produce_raw(producer: RecordProducer, topic: str, message: RawMessage,
     while True:
         try:
             producer.producer.produce(topic, value=message.value, key=message.key, partition=message.partition,
-                                      headers=message.headers, on_delivery=lambda err, msg: on_delivery(err, msg.offset()),
-                                      **extra)
+                                      headers=message.headers, **extra,
+                                      on_delivery=lambda err, msg: on_delivery(err, msg.offset()))
             break
         except BufferError:  # local queue full: let deliveries drain
             producer.producer.poll(0.05)

@@ -121,7 +121,7 @@ def segment_paths(run_dir: str | Path, topic: str) -> list[Path]:
     return sorted(folder.glob(f"*{SEGMENT_SUFFIX}")) if folder.exists() else []
 
 
-def read_topic(run_dir: str | Path, topic: str, columns: Sequence[str] = ROW_SCHEMA.names) -> pa.Table:
+def read_topic(run_dir: str | Path, topic: str, columns: Sequence[str]) -> pa.Table:
     """``columns`` of every archived row of one topic (catalogue name), in partition and offset order."""
     schema = pa.schema([ROW_SCHEMA.field(name) for name in columns])
     tables = [pq.read_table(path, columns=list(columns), schema=ROW_SCHEMA).select(list(columns))
@@ -201,7 +201,8 @@ class Archiver:
         self.consumer = RawConsumer(self.cfg.broker, f"{self.cfg.broker.topic_prefix}archive",
                                     **{"auto.offset.reset": "error"})
         assignment = {(full, partition): self.state.offsets.get(name, {}).get(partition)
-                      for full, name in self.names.items() for partition in range(manifest["topics"][name]["partitions"])}
+                      for full, name in self.names.items()
+                      for partition in range(manifest["topics"][name]["partitions"])}
         self.consumer.assign(assignment)
         log.info("archiving %d partitions of %d topics into %s", len(assignment), len(self.names), self.root)
         return self

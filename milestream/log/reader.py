@@ -135,7 +135,8 @@ class BrokerSource:
         finally:
             reader.close()
 
-    def _read(self, reader: RecordConsumer, spec: topics.TopicSpec, ends: dict[int, int]) -> list[LoggedMessage[Record]]:
+    def _read(self, reader: RecordConsumer, spec: topics.TopicSpec,
+              ends: dict[int, int]) -> list[LoggedMessage[Record]]:
         out: list[LoggedMessage[Record]] = []
         reached = dict.fromkeys(ends, 0)
         deadline = time.monotonic() + self.max_wait_s
