@@ -19,7 +19,7 @@ from milestream.config import load_config
 from chaos import pids, sigkill, stage_pids
 from milestream.train import checkpoint
 from milestream.log.audit import archived_lineage, audit_run
-from milestream.log.reader import archived as archived_messages
+from milestream.log.reader import read_archive
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics
@@ -51,7 +51,7 @@ class EmittedGroups:
 
 
 def archived(run_dir: Path, spec) -> list:
-    return [record for m in archived_messages(run_dir, spec) for record in m.records]
+    return [record for m in read_archive(run_dir, spec) for record in m.records]
 
 
 def start_run(cfg) -> tuple[threading.Thread, dict]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from milestream.log.lineage import BUFFERED, DROPPED, LOST, Lineage, lineage_of
-from milestream.log.reader import archived, archived_fields
+from milestream.log.reader import read_archive, read_archive_fields
 from milestream.schemas import topics
 from milestream.train import checkpoint
 
@@ -38,8 +38,8 @@ class Audit:
 
 def archived_lineage(run_dir: str | Path) -> Lineage:
     """The lineage of an archived run (of buffer.groups only the group ids are read)."""
-    lineage = lineage_of(m for spec in (topics.METRICS, topics.DROPPED) for m in archived(run_dir, spec))
-    for message in archived_fields(run_dir, topics.GROUPS, ["group_id"]):
+    lineage = lineage_of(m for spec in (topics.METRICS, topics.DROPPED) for m in read_archive(run_dir, spec))
+    for message in read_archive_fields(run_dir, topics.GROUPS, ["group_id"]):
         for record in message.records:
             lineage.observe_emission(record["group_id"], message.position)
     return lineage

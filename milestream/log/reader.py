@@ -5,7 +5,7 @@ with its key, broker timestamp and decoded records, so the audit, restore, selec
 metrics feed and the offline re-drives never care which. A value that does not decode is handed to
 the reader's ``OnBadRecord`` policy: ``raise_bad_record`` (the default) raises the ``RecordError``
 naming topic, partition, offset and field; ``SkipBadRecords`` logs it, skips it and counts it.
-A reader of big topics that needs a few fields only asks for them (``archived_fields``): the values
+A reader of big topics that needs a few fields only asks for them (``read_archive_fields``): the values
 are checked against their schema as always, but only those columns become Python objects.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class SkipBadRecords:
         self.skipped += 1
 
 
-def _archived(run_dir: str | Path, spec: topics.TopicSpec, on_bad: OnBadRecord,
+def _read_archive(run_dir: str | Path, spec: topics.TopicSpec, on_bad: OnBadRecord,
               convert: Callable[[bytes | None, Position], list[T]]) -> Iterator[LoggedMessage[T]]:
     table = read_topic(run_dir, spec.name, ("partition", "offset", "timestamp_ms", "key", "value"))
     for batch in table.to_batches(max_chunksize=1024):
@@ -82,19 +82,19 @@ def _archived(run_dir: str | Path, spec: topics.TopicSpec, on_bad: OnBadRecord,
             yield LoggedMessage(spec.name, row["partition"], row["offset"], row["timestamp_ms"], row["key"], records)
 
 
-def archived(run_dir: str | Path, spec: topics.TopicSpec,
+def read_archive(run_dir: str | Path, spec: topics.TopicSpec,
              on_bad: OnBadRecord = raise_bad_record) -> Iterator[LoggedMessage[Record]]:
     """Every archived message of ``spec`` (RUN_DIR/archive, ``log/archive.py``), in partition and offset order."""
-    return _archived(run_dir, spec, on_bad, lambda value, position: decode(value, spec.record, position))
+    return _read_archive(run_dir, spec, on_bad, lambda value, position: decode(value, spec.record, position))
 
 
-def archived_fields(run_dir: str | Path, spec: topics.TopicSpec, fields: Sequence[str],
+def read_archive_fields(run_dir: str | Path, spec: topics.TopicSpec, fields: Sequence[str],
                     on_bad: OnBadRecord = raise_bad_record) -> Iterator[LoggedMessage[Fields]]:
-    """As ``archived``, with only ``fields`` of each record: cheap on big topics (no token lists built)."""
+    """As ``read_archive``, with only ``fields`` of each record: cheap on big topics (no token lists built)."""
     def convert(value: bytes | None, position: Position) -> list[Fields]:
         return decode_table(value, spec.record, position).select(list(fields)).to_pylist()
 
-    return _archived(run_dir, spec, on_bad, convert)
+    return _read_archive(run_dir, spec, on_bad, convert)
 
 
 class LogSource(Protocol):
@@ -110,7 +110,7 @@ class ArchiveSource:
 
     @functools.cache
     def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
-        return list(archived(self.run_dir, spec, self.on_bad))
+        return list(read_archive(self.run_dir, spec, self.on_bad))
 
 
 class BrokerSource:

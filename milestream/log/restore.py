@@ -35,7 +35,7 @@ from typing import Any
 from milestream.config import Config
 from milestream.infra.kafka import LogAdmin, RecordProducer, commit_offsets, produce_raw
 from milestream.log.archive import ArchiveState, archived_raw, load_manifest, segment_paths
-from milestream.log.reader import archived, archived_fields
+from milestream.log.reader import read_archive, read_archive_fields
 from milestream.schemas import topics
 from milestream.streams.credit import Credit
 
@@ -158,13 +158,13 @@ class Accounting:
 
 def _rows(run_dir: Path, spec: topics.TopicSpec) -> list[tuple[int, int, dict[str, Any]]]:
     """(partition, offset, {group_id}) of every archived record of ``spec`` (one group per record)."""
-    return [(m.partition, m.offset, m.records[0]) for m in archived_fields(run_dir, spec, ["group_id"])]
+    return [(m.partition, m.offset, m.records[0]) for m in read_archive_fields(run_dir, spec, ["group_id"])]
 
 
 def _group_rows(run_dir: Path) -> list[tuple[int, int, dict[str, Any]]]:
     """(partition, offset, {group_id, oldest_version}) of every archived buffer.groups record."""
     out = []
-    for m in archived_fields(run_dir, topics.GROUPS, ["group_id", "token_versions"]):
+    for m in read_archive_fields(run_dir, topics.GROUPS, ["group_id", "token_versions"]):
         oldest = min((v for sample in m.records for v in sample["token_versions"]), default=-1)
         out.append((m.partition, m.offset, {"group_id": m.records[0]["group_id"], "oldest_version": oldest}))
     return out
@@ -211,7 +211,7 @@ def derive_accounting(cfg: Config, run_dir: str | Path, archived: ArchivedRun, r
     """
     run_dir = Path(run_dir)
     prompt_at = {prompt.group_id: (m.partition, m.offset)  # one group per prompt attempt
-                 for m in archived(run_dir, topics.PROMPTS) for prompt in m.records}
+                 for m in read_archive(run_dir, topics.PROMPTS) for prompt in m.records}
     entered, left = archived.entered, archived.left
     to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in archived.emitted
                   if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}

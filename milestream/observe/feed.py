@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Protocol
 from milestream.config import Config
 from milestream.infra.kafka import Admin, RecordConsumer, topic_name
 from milestream.log.archive import load_manifest
-from milestream.log.reader import OnBadRecord, SkipBadRecords, archived as archived_messages
+from milestream.log.reader import OnBadRecord, SkipBadRecords, read_archive
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import Record
@@ -103,7 +103,7 @@ def archived(run_dir: str | Path, specs: Iterable[topics.TopicSpec] = FEED_TOPIC
     load_manifest(run_dir)  # a clear error when the folder holds no archive
     on_bad = on_bad or SkipBadRecords()
     for spec in specs:
-        for message in archived_messages(run_dir, spec, on_bad):
+        for message in read_archive(run_dir, spec, on_bad):
             yield from (Observed(spec, message.position, record) for record in message.records)
 
 

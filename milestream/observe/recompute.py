@@ -21,7 +21,7 @@ import torch
 from milestream.config import Config
 from milestream.train import checkpoint
 from milestream.log.lineage import lineage_of
-from milestream.log.reader import archived
+from milestream.log.reader import read_archive
 from milestream.train.learner import CollectedGroup, Learner
 from milestream.infra.model import configure_process
 from milestream.schemas import topics
@@ -63,14 +63,14 @@ def checkpoint_before(run_dir: Path, step: int) -> tuple[int, dict]:
 
 def logged_groups(run_dir: Path, wanted: set[str]) -> dict[str, list[GroupSample]]:
     groups: dict[str, list[GroupSample]] = {}
-    for samples in (m.records for m in archived(run_dir, topics.GROUPS)):
+    for samples in (m.records for m in read_archive(run_dir, topics.GROUPS)):
         if samples and samples[0].group_id in wanted:
             groups.setdefault(samples[0].group_id, samples)  # a re-emission carries the same group
     return groups
 
 
 def replay_step(cfg: Config, run_dir: str | Path, step: int) -> StepReplay:
-    steps = lineage_of(archived(run_dir, topics.METRICS)).steps
+    steps = lineage_of(read_archive(run_dir, topics.METRICS)).steps
     return replay_steps(cfg, run_dir, steps, functools.partial(logged_groups, Path(run_dir)), step, step)[0]
 
 

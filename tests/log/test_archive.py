@@ -12,7 +12,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from milestream.log.archive import Archiver, ArchiveState, archive_dir, read_topic
 from milestream.log.audit import archived_lineage
 from milestream.log.lineage import Lineage
-from milestream.log.reader import archived
+from milestream.log.reader import read_archive
 from milestream.log.restore import republish
 from milestream.infra.kafka import RecordProducer, client_config, topic_name
 from milestream.infra.services import EmbeddedBroker
@@ -151,7 +151,7 @@ class Outcomes:
 
 
 def archived_records(run_dir, spec) -> list:
-    return [r for m in archived(run_dir, spec) for r in m.records]
+    return [r for m in read_archive(run_dir, spec) for r in m.records]
 
 
 def start_life(cfg, config_path: Path, run_dir: Path, life: int):

@@ -10,7 +10,7 @@ import pytest
 from milestream.log.archive import ROW_SCHEMA, archive_dir
 from milestream.log.audit import audit_run
 from milestream.log.lineage import BUFFERED, DROPPED, LOST, TRAINED, Lineage, lineage_of
-from milestream.log.reader import SkipBadRecords, archived
+from milestream.log.reader import SkipBadRecords, read_archive
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, encode
 from milestream.schemas.records import Dropped, GroupSample, Metrics, Record
@@ -91,8 +91,8 @@ def test_audit_fails_a_group_both_trained_and_dropped(tmp_path):
 def test_a_bad_record_raises_or_is_skipped_and_counted(tmp_path):
     write_archive(tmp_path, {topics.METRICS: [step(1, ["a#0"]), b"not arrow", step(2, ["b#0"])]})
     with pytest.raises(RecordError, match=r"buffer\.metrics\[0\]@1: field '<value>'"):
-        list(archived(tmp_path, topics.METRICS))
+        list(read_archive(tmp_path, topics.METRICS))
     skip = SkipBadRecords()
-    messages = list(archived(tmp_path, topics.METRICS, skip))
+    messages = list(read_archive(tmp_path, topics.METRICS, skip))
     assert [m.offset for m in messages] == [0, 2] and skip.skipped == 1
     assert messages[1].timestamp_ms == 1002 and lineage_of(messages).missing_steps() == []
