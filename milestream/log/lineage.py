@@ -22,6 +22,7 @@ and a live feed (the metrics series, the run monitor) share it; feed each topic 
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -82,11 +83,12 @@ class Lineage:
     def trainer_steps(self) -> list[Metrics]:
         return [self.steps[step] for step in sorted(self.steps)]
 
-    def training(self) -> dict[str, list[tuple[int, int]]]:
+    def training(self) -> dict[str, list[tuple[int, int | None]]]:
         """Per trained group, (step, staleness) of every lineage step that trained it (one, unless duplicated)."""
-        out: dict[str, list[tuple[int, int]]] = {}
+        out: dict[str, list[tuple[int, int | None]]] = {}
         for record in self.trainer_steps():
-            for group_id, lag in zip(record.group_ids, record.group_staleness):
+            lags = record.group_staleness[:len(record.group_ids)]  # missing figures: the groups still count
+            for group_id, lag in itertools.zip_longest(record.group_ids, lags):
                 out.setdefault(group_id, []).append((record.step, lag))
         return out
 

@@ -70,6 +70,8 @@ def test_fates_against_the_trainers_checkpoint():
     assert outcomes == {"t#0": TRAINED, "d#0": DROPPED, "seen#0": LOST, "old#0": LOST, "new#0": BUFFERED}
     assert lineage.fates()["old#0"].outcome == BUFFERED  # no checkpoint: every group without an outcome waits
     assert lineage.fates()["t#0"].step == 1 and lineage.fates()["new#0"].emitted_at == (0, 4)
+    no_figures = observed(Metrics("trainer", 1, 0.0, {}, ["x#0"])).fates()["x#0"]  # no staleness: still trained
+    assert (no_figures.outcome, no_figures.staleness) == (TRAINED, None)
 
 
 def test_audit_fails_a_group_both_trained_and_dropped(tmp_path):
