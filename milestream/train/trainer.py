@@ -73,7 +73,7 @@ class Trainer:
                 self.sender.publish(self.producer, self.state.version, self.state.step, exported)
                 # published before the checkpoint: a checkpointed step's record is always on the log. A
                 # step killed before its checkpoint is redone after resume and published again; the
-                # later record of a step is the one of the run's lineage (log/audit.py)
+                # later record of a step is the one of the run's lineage (log/lineage.py)
                 self._publish_metrics(batch, {**figures, "step_s": time.monotonic() - started})
             if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
                 self.save()
