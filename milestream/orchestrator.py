@@ -25,6 +25,7 @@ from milestream.config import Config
 from milestream.observe.report import write_report
 from milestream.infra.kafka import Admin, RecordConsumer
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
+from milestream.producers.inputs import check_inputs
 from milestream.schemas import topics
 from milestream.schemas.records import Dropped, Metrics
 from milestream.streams.ledger import BufferLedger
@@ -168,6 +169,7 @@ def resume_from_archive(cfg: Config, run_dir: Path) -> None:
 
 
 def run_loop(cfg: Config) -> dict:
+    check_inputs(cfg)  # bad data or a bad reward fails here, before any stage (or the broker) starts
     started = time.monotonic()
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"
