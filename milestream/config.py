@@ -127,7 +127,7 @@ class RewardConfig(Section):
     pattern: str | None = None  # regex: searched in the response; its first group, if any, must equal the label
     fn: str | None = None  # import path: fn(sample) -> float | dict[str, float] (sync or async)
     group_fn: str | None = None  # import path: fn(samples) -> list[float | dict[str, float]] (sync or async)
-    url: str | None = None  # a reward service: POST {"samples": [...]} -> {"rewards": [...]} (docs/rewards.md)
+    url: str | None = None  # a reward service: POST {"samples": [...]} -> {"rewards": [...]} (producers/rewards.py)
     key: str | None = None  # of a dict reward, the component that trains; None: the sum of the components
     timeout_s: float = 30.0  # per call of fn / group_fn / url
     retries: int = 2  # url: further tries after a timeout, a connection error or a 5xx

@@ -79,7 +79,7 @@ def _jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path} line {number}: not JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):
@@ -191,12 +191,22 @@ class Source:
 
 
 def sources(cfg: Config) -> tuple[Source, ...]:
-    """The configured sources, their files read and mapped once per process."""
-    return _sources(json.dumps({"data": cfg.data.model_dump(mode="json"), "eval": cfg.eval.model_dump(mode="json")}))
+    """The configured sources, their files read and mapped once per process (and file version)."""
+    versions = [_version(source.path) for source in cfg.data.data_sources() if source.path]
+    return _sources(json.dumps({"data": cfg.data.model_dump(mode="json"), "eval": cfg.eval.model_dump(mode="json")}),
+                    tuple(versions))
+
+
+def _version(path: str) -> tuple[int, int]:
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return (0, 0)  # reading it says what is wrong
+    return (stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=4)
-def _sources(data_and_eval: str) -> tuple[Source, ...]:
+def _sources(data_and_eval: str, file_versions: tuple[tuple[int, int], ...]) -> tuple[Source, ...]:
     cfg = Config.model_validate(json.loads(data_and_eval))
     built = []
     for source in cfg.data.data_sources():

@@ -129,7 +129,11 @@ class RolloutWorker:
                 await asyncio.sleep(0.1)
                 self.stalled_s += time.monotonic() - started
                 continue
-            delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
+            try:
+                delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
+            except asyncio.CancelledError:  # stopped while waiting for a prompt: the credit was not used
+                self.ledger.give_back()
+                raise
             if delivery is None:
                 self.ledger.give_back()
                 continue

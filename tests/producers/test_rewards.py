@@ -11,6 +11,7 @@ from aiohttp import web
 
 from milestream.config import Config
 from milestream.producers.rewards import Reward, RewardSample, as_reward, load_reward
+from milestream.producers.rollout import RewardFigures
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
 CHAIN_SUM_ENTRY = {"question": "What is 4 + 3?", "answer": "7", "metadata": {}}
@@ -212,3 +213,12 @@ def test_reward_service_keeps_to_its_concurrency_limit() -> None:
         assert len(groups) == 8 and all(not g[0].error for g in groups)
         assert server.calls["score"] == 8 and server.max_inflight == 2
     asyncio.run(with_server(test))
+
+
+def test_every_component_becomes_a_worker_metric() -> None:
+    figures = RewardFigures()
+    for reward in (Reward(2.0, {"correct": 1.0, "short": 1.0}), Reward(0.0, {"correct": 0.0, "short": 0.0}),
+                   Reward(0.0, error="RuntimeError: boom")):
+        figures.add(reward)
+    assert figures.take() == {"reward/correct": 0.5, "reward/short": 0.5, "reward_errors": 1.0}
+    assert figures.take() == {"reward_errors": 0.0}  # each report covers the samples since the last one
