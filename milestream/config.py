@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -370,6 +371,10 @@ class Config(Section):
 def import_path(path: str, knob: str) -> Any:
     """A plug-in named by ``package.module:function`` (or ``package.module.function``)."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # the stages run as ``python -m milestream.cli``, which imports from the working directory;
+        # the ``milestream`` script resolves a plug-in (e.g. examples.recipe.reward:score) the same way
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from milestream.config import Config
+from milestream.config import Config, load_config
 from milestream.infra.kafka import RecordConsumer
 from milestream.producers.data import DataError, held_out, prompt_messages, prompt_stream, reward_inputs
 from milestream.producers.inputs import check_inputs
@@ -162,3 +162,13 @@ def test_a_parquet_file_without_the_column_is_named(tmp_path):
     path = write_parquet(tmp_path / "qa.parquet", ROWS)
     with pytest.raises(DataError, match=r"qa.parquet row 0: no column 'prompt' \(columns: \['answer', 'id'"):
         check_inputs(Config().with_overrides(data={"path": str(path)}))
+
+
+def test_the_recipe_example_is_valid_and_scores_with_its_reward(monkeypatch):
+    root = Path(__file__).parents[2]
+    monkeypatch.chdir(root)  # the recipe's paths and its reward's import path are relative to the repository
+    cfg = load_config(root / "examples/recipe/config.yaml")
+    check_inputs(cfg)
+    assert len(list(islice(prompt_stream(cfg), 100))) == 100 and len(held_out(cfg)) == 20
+    train = {p.question for p in islice(prompt_stream(cfg), 60)}
+    assert len(train) == 60 and not train & {p.question for p in held_out(cfg)}
