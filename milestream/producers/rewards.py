@@ -191,9 +191,7 @@ class GroupFunction:
         self.fn, self.key, self.timeout_s = fn, key, timeout_s
 
     async def __call__(self, samples: Sequence[RewardSample]) -> list[Reward]:
-        rewards = await _guarded(lambda: self.fn(list(samples)), None, self.timeout_s, many=len(samples))
-        return rewards if isinstance(rewards, list) else [rewards] * len(samples)
-
+        return await _guarded(lambda: self.fn(list(samples)), self.key, self.timeout_s, many=len(samples))
 
 
 class RewardService:

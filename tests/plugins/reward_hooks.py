@@ -33,3 +33,7 @@ def pairwise(samples) -> list[float]:
     """1 for the longest response of the group, 0 for the others (a stand-in for a comparison model)."""
     longest = max(range(len(samples)), key=lambda i: len(samples[i].response))
     return [float(i == longest) for i in range(len(samples))]
+
+
+async def pairwise_graded(samples) -> list[dict[str, float]]:
+    return [{"longest": value, "bonus": 0.5} for value in pairwise(samples)]

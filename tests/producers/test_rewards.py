@@ -117,6 +117,9 @@ def test_a_group_reward_scores_the_whole_group(monkeypatch) -> None:
     assert reward.per_group
     rewards = asyncio.run(reward([sample("1"), sample("three"), sample("22")]))
     assert [r.value for r in rewards] == [0.0, 1.0, 0.0]
+    graded = load_reward(Config().with_overrides(reward={"group_fn": "reward_hooks:pairwise_graded", "key": "longest"}))
+    assert asyncio.run(graded([sample("1"), sample("22")])) == [Reward(0.0, {"longest": 0.0, "bonus": 0.5}),
+                                                                Reward(1.0, {"longest": 1.0, "bonus": 0.5})]
 
 
 def test_an_import_path_that_does_not_resolve_is_named() -> None:
