@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from milestream.cli import main
 from milestream.config import Config, load_config
 from milestream.infra.kafka import RecordConsumer
 from milestream.producers.data import DataError, held_out, prompt_messages, prompt_stream, reward_inputs
@@ -172,3 +173,11 @@ def test_the_recipe_example_is_valid_and_scores_with_its_reward(monkeypatch):
     assert len(list(islice(prompt_stream(cfg), 100))) == 100 and len(held_out(cfg)) == 20
     train = {p.question for p in islice(prompt_stream(cfg), 60)}
     assert len(train) == 60 and not train & {p.question for p in held_out(cfg)}
+
+
+@pytest.mark.parametrize("command", ["run", "load-prompts"])
+def test_run_and_load_prompts_refuse_bad_input_before_starting_anything(tmp_path, command):
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"question": "2 + 2?", "label": "4"}])
+    with pytest.raises(DataError, match=r"qa.jsonl line 1: no column 'prompt'"):
+        main([command, "--set", f"data.path={data}", "--run-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()  # no run folder: nothing (broker, stages) was started
