@@ -80,7 +80,7 @@ class DataConfig(Section):
     task_options: dict[str, Any] = Field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     size: int = 100_000
     seed: int = 42  # of the task entries and of the shuffling
-    # the demo's defaults; for a user data set (path or sources) both default to none
+    # the demo's defaults; for a user data set (a path, or a source with one) both default to none
     system_prompt: str = "Answer inside <answer></answer> tags."
     assistant_prefill: str = "<answer>"
     format_reward: float = 0.1  # added when the answer tag is closed
@@ -96,7 +96,11 @@ class DataConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _user_data_has_no_demo_prompt(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (data.get("path") or data.get("sources")):
+        if not isinstance(data, dict):
+            return data
+        source_paths = [s.get("path") if isinstance(s, dict) else getattr(s, "path", None)
+                        for s in data.get("sources") or ()]
+        if data.get("path") or any(source_paths):
             return {"system_prompt": "", "assistant_prefill": "", **data}
         return data
 

@@ -181,3 +181,16 @@ def test_run_and_load_prompts_refuse_bad_input_before_starting_anything(tmp_path
     with pytest.raises(DataError, match=r"qa.jsonl line 1: no column 'prompt'"):
         main([command, "--set", f"data.path={data}", "--run-dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()  # no run folder: nothing (broker, stages) was started
+
+
+def test_a_reasoning_gym_task_is_one_source_kind_among_files(tmp_path):
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": f"q{i}", "label": i} for i in range(5)])
+    cfg = Config().with_overrides(data={"sources": [{"task": "chain_sum", "size": 10}, {"path": str(path)}]})
+    assert cfg.data.system_prompt == ""  # a source with a path: a user data set
+    first = list(islice(prompt_stream(cfg), 6))
+    assert [p.prompt_id.split("-e")[0] for p in first] == ["chain_sum-s42", "qa-s42"] * 3
+    task, row = first[0], first[1]
+    assert task.prompt_id == "chain_sum-s42-e0-0" and reward_inputs(cfg, task) == (task.answer, json.loads(task.entry_json))
+    assert reward_inputs(cfg, row) == (row.answer, {})
+    only_tasks = Config().with_overrides(data={"sources": [{"task": "chain_sum"}, {"task": "basic_arithmetic"}]})
+    assert only_tasks.data.system_prompt == Config().data.system_prompt  # still the demo's prompt
