@@ -91,8 +91,10 @@ def _sft(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _load_prompts(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.producers.inputs import check_inputs
     from milestream.producers.loader import feed_prompts, load_prompts
 
+    check_inputs(cfg)
     if args.follow:
         count = feed_prompts(cfg, lookahead=args.lookahead or 2 * cfg.buffer_capacity, stop=stop_on_signals())
     else:
@@ -230,7 +232,7 @@ COMMANDS = {
     "process": (_process, "run the stream processor (faust worker)"),
     "train": (_train, "run the trainer"),
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
-    "load-prompts": (_load_prompts, "publish task prompts on the prompts topic (--follow: keep feeding)"),
+    "load-prompts": (_load_prompts, "publish the data set's prompts on the prompts topic (--follow: keep feeding)"),
     "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the Prometheus "
                           "endpoint of every figure; --jsonl PATH: log buffer.metrics"),
     "plot": (_plot, "PNG plots (reward, staleness, queue, throughput, drops) of a run, archived or live"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -50,15 +51,103 @@ class ModelConfig(Section):
     threads: int = 1  # torch intra-op threads per process; the loop's processes share the cores
 
 
+class SourceConfig(Section):
+    """One source of prompts (producers/data.py): a file or folder (``path``) or a reasoning-gym ``task``."""
+
+    path: str | None = None  # JSONL, Parquet, or a folder written by datasets' save_to_disk
+    task: str | None = None  # a reasoning-gym task
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    size: int = 100_000  # task: entries per epoch
+    weight: float = 1.0  # share of the prompts drawn from this source
+    name: str | None = None  # in prompt ids; default: the task, or the file's name without suffix
+    # column mapping (None: data.prompt_key, data.label_key, data.metadata_keys)
+    prompt_key: str | None = None
+    label_key: str | None = None
+    metadata_keys: tuple[str, ...] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "SourceConfig":
+        if (self.path is None) == (self.task is None):
+            raise ValueError("a data source names exactly one of path and task")
+        if not self.weight > 0:
+            raise ValueError(f"data source {self.path or self.task}: weight {self.weight} must be positive")
+        return self
+
+
 class DataConfig(Section):
+    # the reasoning-gym demo: the one source when neither path nor sources is given
     task: str = "chain_sum"
     task_options: dict[str, Any] = Field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
     size: int = 100_000
-    seed: int = 42
+    seed: int = 42  # of the task entries and of the shuffling
+    # the demo's defaults; for a user data set (a path, or a source with one) both default to none
     system_prompt: str = "Answer inside <answer></answer> tags."
     assistant_prefill: str = "<answer>"
     format_reward: float = 0.1  # added when the answer tag is closed
     sft_path: str | None = None  # milestream sft: a JSONL file of {"question", "answer"} (default: the task)
+    path: str | None = None  # the user's data set: JSONL, Parquet or a datasets folder
+    sources: tuple[SourceConfig, ...] = ()  # several sources, interleaved by weight
+    prompt_key: str = "prompt"  # a column of plain text or of chat messages [{role, content}]
+    label_key: str | None = "label"  # None: rows have no label
+    metadata_keys: tuple[str, ...] = ()  # columns passed to the reward as metadata
+    shuffle: bool = True  # file sources: a new order each epoch, drawn from seed and epoch
+    epochs: int | None = None  # passes over each source; None: no end
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_data_has_no_demo_prompt(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        source_paths = [s.get("path") if isinstance(s, dict) else getattr(s, "path", None)
+                        for s in data.get("sources") or ()]
+        if data.get("path") or any(source_paths):
+            return {"system_prompt": "", "assistant_prefill": "", **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.path and self.sources:
+            raise ValueError("data.path and data.sources are exclusive (a path is a source of its own)")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"data.epochs {self.epochs} must be at least 1 (or null: no end)")
+        return self
+
+    def data_sources(self) -> tuple[SourceConfig, ...]:
+        """The sources prompts are drawn from: data.sources, data.path, or the task."""
+        if self.sources:
+            return self.sources
+        if self.path:
+            return (SourceConfig(path=self.path),)
+        return (SourceConfig(task=self.task, task_options=self.task_options, size=self.size),)
+
+
+RewardVerifier = Literal["answer_tag", "math", "exact_match", "regex"]
+
+
+class RewardConfig(Section):
+    """The reward of a sample (producers/rewards.py): a built-in verifier, a function, or a service."""
+
+    # None: answer_tag for the reasoning-gym demo, math (against the label) for a user data set
+    verifier: RewardVerifier | None = None
+    pattern: str | None = None  # regex: searched in the response; its first group, if any, must equal the label
+    fn: str | None = None  # import path: fn(sample) -> float | dict[str, float] (sync or async)
+    group_fn: str | None = None  # import path: fn(samples) -> list[float | dict[str, float]] (sync or async)
+    url: str | None = None  # a reward service: POST {"samples": [...]} -> {"rewards": [...]} (producers/rewards.py)
+    key: str | None = None  # of a dict reward, the component that trains; None: the sum of the components
+    timeout_s: float = 30.0  # per call of fn / group_fn / url
+    retries: int = 2  # url: further tries after a timeout, a connection error or a 5xx
+    max_concurrency: int = 8  # url: requests in flight per worker
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardConfig":
+        chosen = [name for name in ("verifier", "fn", "group_fn", "url") if getattr(self, name)]
+        if len(chosen) > 1:
+            raise ValueError(f"reward: choose one of verifier, fn, group_fn and url (got {', '.join(chosen)})")
+        if self.verifier == "regex" and not self.pattern:
+            raise ValueError("reward.verifier regex needs reward.pattern")
+        if self.timeout_s <= 0 or self.retries < 0 or self.max_concurrency < 1:
+            raise ValueError("reward.timeout_s must be positive, reward.retries >= 0, reward.max_concurrency >= 1")
+        return self
 
 
 class RolloutConfig(Section):
@@ -96,7 +185,8 @@ class BufferConfig(Section):
     selector: str = "milestream.train.collector:fifo"
     # what happens to the prompt of a group that went unused: drop it, or retry (back on prompts)
     unused: Literal["drop", "retry"] = "drop"
-    retry_reasons: tuple[str, ...] = ("stale", "aborted", "incomplete")
+    retry_reasons: tuple[Literal["stale", "aborted", "incomplete", "filtered", "reward_error"], ...] = (
+        "stale", "aborted", "incomplete")
     max_retries: int = 1
     metrics_interval_s: float = 2.0
     # a group still missing records this long after its first one is dropped (reason "incomplete")
@@ -179,7 +269,10 @@ class EvalConfig(Section):
     # external: ``milestream eval`` calls ``evaluator`` on an HF-loadable folder of each version
     mode: Literal["shared", "dedicated", "external"] | None = None
     every_versions: int = 10  # versions divisible by this (and the one of the last step) are evaluated
-    num_prompts: int = 64  # distinct held-out questions, drawn past the training entries (index >= data.size)
+    # distinct held-out questions: task entries past data.size whose questions training then skips,
+    # or the rows of ``path``
+    num_prompts: int = 64
+    path: str | None = None  # a held-out file (JSONL, Parquet, datasets folder), mapped like data.path
     max_new_tokens: int | None = None  # greedy; None: rollout.max_new_tokens
     timeout_s: float = 600.0  # an evaluation that takes longer is recorded as skipped
     evaluator: str | None = None  # external: import path of fn(folder: Path) -> float | dict[str, float]
@@ -232,6 +325,7 @@ class Config(Section):
     redis: RedisConfig = RedisConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
@@ -269,9 +363,9 @@ class Config(Section):
         return Path(self.run.run_dir)
 
     def with_overrides(self, **sections: dict[str, Any]) -> "Config":
-        data = self.model_dump()
+        data = self.model_dump(exclude_unset=True)  # a default left unset may depend on the overrides
         for section, values in sections.items():
-            data[section] = {**data[section], **values}
+            data[section] = {**data.get(section, {}), **values}
         return Config.model_validate(data)
 
     def to_yaml(self) -> str:
@@ -281,6 +375,10 @@ class Config(Section):
 def import_path(path: str, knob: str) -> Any:
     """A plug-in named by ``package.module:function`` (or ``package.module.function``)."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        # the stages run as ``python -m milestream.cli``, which imports from the working directory;
+        # the ``milestream`` script resolves a plug-in (e.g. examples.recipe.reward:score) the same way
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:

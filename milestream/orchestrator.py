@@ -27,6 +27,7 @@ from milestream.infra.services import Services, die_with_parent, embedded, free_
 from milestream.log.lineage import Lineage
 from milestream.observe.feed import TopicFeed
 from milestream.observe.report import write_report
+from milestream.producers.inputs import check_inputs
 from milestream.schemas import topics
 from milestream.schemas.records import Metrics
 from milestream.streams.ledger import BufferLedger
@@ -164,6 +165,7 @@ def resume_from_archive(cfg: Config, run_dir: Path) -> None:
 
 
 def run_loop(cfg: Config) -> dict:
+    check_inputs(cfg)  # bad data or a bad reward fails here, before any stage (or the broker) starts
     started = time.monotonic()
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"

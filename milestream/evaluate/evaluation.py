@@ -9,8 +9,8 @@
              ``eval.evaluator(folder)`` (evaluate/external.py)
 
 A version is due when ``version % eval.every_versions == 0`` or it is the last step's. The held-out set is
-``eval.num_prompts`` distinct questions from data-set indices ``data.size`` onwards (reasoning-gym draws
-entry i from seed ``data.seed + i``, and the loader never reads past ``data.size``), decoded greedily;
+``eval.num_prompts`` distinct questions held out by question: the rows of ``eval.path``, or the first
+distinct questions from task indices ``data.size`` onwards, which the loader then skips; decoded greedily;
 the score is the task verifier's mean (accuracy, no format reward). Each result on ``eval.results`` names
 the version and step that produced it and ``lag_steps``: the newest step announced on
 ``weights.versions`` when the result is published, minus the version's step. A failed evaluation (an
@@ -36,13 +36,13 @@ from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
-from milestream.producers.tasks import TaskPrompt, build_input_ids, iter_prompts, score
+from milestream.producers.data import held_out
+from milestream.producers.tasks import TaskPrompt, build_input_ids, score
 from milestream.schemas import topics
 from milestream.schemas.records import EvalResult, WeightVersion
 from milestream.streams.weights.base import TRANSPORTS, make_receiver
 
 log = logging.getLogger(__name__)
-DRAWS_PER_PROMPT = 50  # held-out entries drawn per wanted distinct question before giving up
 
 
 @dataclass(frozen=True)
@@ -65,16 +65,9 @@ def is_due(cfg: Config, version: int, step: int) -> bool:
 
 
 def held_out_prompts(cfg: Config) -> list[TaskPrompt]:
-    """``eval.num_prompts`` distinct questions from entries the training loader never reads."""
-    wanted = cfg.eval.num_prompts
-    beyond_training = cfg.data.model_copy(update={"size": cfg.data.size + DRAWS_PER_PROMPT * wanted})
-    by_question: dict[str, TaskPrompt] = {}
-    for prompt in iter_prompts(beyond_training, start=cfg.data.size):
-        by_question.setdefault(prompt.question, prompt)
-        if len(by_question) == wanted:
-            return list(by_question.values())
-    raise ValueError(f"eval.num_prompts={wanted}: data.task {cfg.data.task!r} gave only {len(by_question)} "
-                     f"distinct questions in {DRAWS_PER_PROMPT * wanted} held-out entries")
+    """``eval.num_prompts`` distinct questions training never sees: the rows of ``eval.path``, or task
+    entries past ``data.size`` whose questions the loader skips (producers/data.py ``held_out``)."""
+    return held_out(cfg)
 
 
 class HeldOut:

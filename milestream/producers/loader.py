@@ -1,9 +1,11 @@
-"""The prompt loader: task entries onto ``prompts``, so the data-set position is a consumer offset.
+"""The prompt loader: the data set's prompts (producers/data.py) onto ``prompts``, so the data-set
+position is a consumer offset.
 
 ``feed_prompts`` keeps a bounded look-ahead of unadmitted prompts on the topic (workers count
 admissions in Redis), so a run never starves however many groups get dropped, and the topic never
-holds more than the look-ahead beyond what rollout has taken. Past the end of the data set it
-starts the next epoch; the epoch is part of the prompt id, so every group id stays unique.
+holds more than the look-ahead beyond what rollout has taken. Its position (prompts published, in
+Redis) is a position in the deterministic prompt stream; the epoch is part of the prompt id, so every
+group id stays unique.
 
 With ``buffer.unused: retry`` it is also the retry handler: the prompt of a group dropped for one of
 ``buffer.retry_reasons`` goes back on ``prompts`` as the next attempt (a new group id), at most
@@ -12,44 +14,27 @@ With ``buffer.unused: retry`` it is also the retry handler: the prompt of a grou
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import threading
-from itertools import count
+from itertools import islice
 
 from milestream.config import Config
 from milestream.infra.kafka import RecordConsumer, RecordProducer
-from milestream.producers.tasks import iter_prompts
+from milestream.producers.data import prompt_stream, source_named, sources
 from milestream.schemas import topics
-from milestream.schemas.records import Prompt
 from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
 
 
-def prompt_id(cfg: Config, epoch: int, index: int) -> str:
-    """Deterministic, so a re-published prompt is recognisably the same one."""
-    return f"{cfg.data.task}-s{cfg.data.seed}-e{epoch}-{index}"
-
-
-def parse_group_id(cfg: Config, group_id: str) -> tuple[int, int, int]:
-    """(epoch, index, attempt) of a group id made from ``prompt_id`` and an attempt number."""
-    match = re.fullmatch(rf"{re.escape(cfg.data.task)}-s{cfg.data.seed}-e(\d+)-(\d+)#(\d+)", group_id)
-    if match is None:
+def parse_group_id(cfg: Config, group_id: str) -> tuple[str, int, int, int]:
+    """(source, epoch, row, attempt) of a group id made from a prompt id (producers/data.py) and an attempt."""
+    match = re.fullmatch(rf"(.+)-s{cfg.data.seed}-e(\d+)-(\d+)#(\d+)", group_id)
+    if match is None or match.group(1) not in {source.name for source in sources(cfg)}:
         raise ValueError(f"group id {group_id!r} was not made by this data set's loader")
-    epoch, index, attempt = map(int, match.groups())
-    return epoch, index, attempt
-
-
-def _records(cfg: Config, position: int = 0):
-    """Prompts from overall position ``position`` on (epoch = position // data-set size)."""
-    first_epoch, start = divmod(position, cfg.data.size)
-    for epoch in count(first_epoch):
-        for task_prompt in iter_prompts(cfg.data, start=start if epoch == first_epoch else 0):
-            pid = prompt_id(cfg, epoch, task_prompt.index)
-            yield Prompt(pid, cfg.data.task, task_prompt.index, task_prompt.question, task_prompt.answer,
-                         json.dumps(task_prompt.entry))
+    epoch, row, attempt = map(int, match.groups()[1:])
+    return match.group(1), epoch, row, attempt
 
 
 def retry_unused(cfg: Config, dropped: RecordConsumer, producer: RecordProducer) -> int:
@@ -62,13 +47,13 @@ def retry_unused(cfg: Config, dropped: RecordConsumer, producer: RecordProducer)
             if record.reason not in cfg.buffer.retry_reasons:
                 continue
             try:
-                epoch, index, attempt = parse_group_id(cfg, record.group_id)
+                source, epoch, row, attempt = parse_group_id(cfg, record.group_id)
             except ValueError as exc:
                 log.warning("not retried: %s", exc)
                 continue
             if attempt >= cfg.buffer.max_retries:
                 continue
-            prompt = next(_records(cfg, epoch * cfg.data.size + index))
+            prompt = source_named(cfg, source).prompt(epoch, row)
             producer.send(topics.PROMPTS, [dataclasses.replace(prompt, attempt=attempt + 1)], key=prompt.prompt_id)
             retried += 1
     if offsets:
@@ -78,33 +63,39 @@ def retry_unused(cfg: Config, dropped: RecordConsumer, producer: RecordProducer)
 
 
 def load_prompts(cfg: Config, start: int = 0, count: int = 1000) -> int:
-    """Publish ``count`` prompts from data-set position ``start``."""
+    """Publish ``count`` prompts from data-set position ``start`` (fewer where the data set ends)."""
     producer = RecordProducer(cfg.broker, client_id="prompt-loader")
-    records = _records(cfg, start)
-    for _ in range(count):
-        record = next(records)
+    published = 0
+    for record in islice(prompt_stream(cfg, start), count):
         producer.send(topics.PROMPTS, [record], key=record.prompt_id)
+        published += 1
     producer.flush()
-    log.info("published %d prompts of %s from position %d", count, cfg.data.task, start)
-    return count
+    log.info("published %d prompts from position %d", published, start)
+    return published
 
 
 def feed_prompts(cfg: Config, lookahead: int, stop: threading.Event, poll_s: float = 0.5) -> int:
-    """Keep ``lookahead`` prompts ahead of the rollout workers' admissions until ``stop`` is set."""
+    """Keep ``lookahead`` prompts ahead of the rollout workers' admissions until ``stop`` is set
+    (or, with ``data.epochs``, the data set ends)."""
     producer = RecordProducer(cfg.broker, client_id="prompt-feeder")
     ledger = BufferLedger(cfg)
     published = start = ledger.prompts_published()  # a restarted feeder carries on where it stopped
-    records = _records(cfg, start)
+    records = prompt_stream(cfg, start)
     dropped = None
     if cfg.buffer.unused == "retry":
         dropped = RecordConsumer(cfg.broker, topics.DROPPED, f"{cfg.broker.topic_prefix}retry", deadletter=producer)
         dropped.subscribe()
     retried = 0  # retried prompts are admitted too: they count against the look-ahead
+    ended = False
     while not stop.is_set():
         if dropped is not None:
             retried += retry_unused(cfg, dropped, producer)
-        while published + retried - ledger.prompts_admitted() < lookahead:
-            record = next(records)
+        while not ended and published + retried - ledger.prompts_admitted() < lookahead:
+            record = next(records, None)
+            ended = record is None
+            if ended:
+                log.info("the data set ends after %d prompts (data.epochs %s)", published, cfg.data.epochs)
+                break
             producer.send(topics.PROMPTS, [record], key=record.prompt_id)
             published += 1
         producer.flush()

@@ -2,7 +2,8 @@
 
 - **rollout function** ``(ctx, group) -> async iterator of (index, Sample, reward)``: owns a group:
   which samples it generates, how they are scored (one by one or as a group), what is published;
-  the worker publishes each yielded sample at once. Default: ``score_each``.
+  the worker publishes each yielded sample at once; a reward is a float or a ``rewards.Reward``.
+  Default: ``score_each`` (the configured ``reward.*`` through ``ctx.score``).
 - **generate function** ``(ctx, prompt, request_id) -> Sample``: owns generation and token
   recording for one sample. Default ``single_turn`` (one engine call on the task prompt);
   ``agent_episode`` runs the agent function over a token-in-token-out session.
@@ -16,8 +17,7 @@ through ``ctx.generate``, which holds a slot of ``rollout.max_inflight_samples``
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,7 +26,9 @@ from milestream.engines.engine import Engine, FinishReason, GenerateRequest, Sam
 from milestream.engines.moe_routing import RecordedRouting
 from milestream.producers.sessions.templates import chat_template
 from milestream.producers.sessions.tito import TokenSession
-from milestream.producers.tasks import build_input_ids, score
+from milestream.producers.data import prompt_messages, reward_inputs
+from milestream.producers.rewards import Reward, RewardModel, RewardSample, load_reward
+from milestream.producers.tasks import chat_input_ids
 from milestream.schemas.records import Prompt
 
 
@@ -70,7 +72,31 @@ class ChatFn(Protocol):
 
 GenerateFn = Callable[["RolloutContext", Prompt, str], Awaitable[Sample]]
 AgentFn = Callable[[ChatFn, Prompt, "RolloutContext"], Awaitable[Episode]]
-RolloutFn = Callable[["RolloutContext", GroupTask], AsyncIterator[tuple[int, Sample, float]]]
+RolloutFn = Callable[["RolloutContext", GroupTask], AsyncIterator[tuple[int, Sample, "float | Reward"]]]
+
+
+class RewardFigures:
+    """Each reward component's mean and the reward errors since the last report (the worker's metrics)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.errors = 0
+
+    def add(self, reward: Reward) -> None:
+        self.errors += bool(reward.error)
+        for name, value in reward.components.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def take(self) -> dict[str, float]:
+        figures = {f"reward/{name}": total / self.counts[name] for name, total in self.sums.items()}
+        figures["reward_errors"] = float(self.errors)
+        self._reset()
+        return figures
 
 
 @dataclass(frozen=True)
@@ -82,9 +108,26 @@ class RolloutContext:
     sampling: SamplingParams
     generate: Callable[[GroupTask, int], Awaitable[Sample]]  # the generate function, holding a slot
     agent: AgentFn | None = None
+    reward_model: RewardModel = field(init=False)  # reward.*
+    reward_figures: RewardFigures = field(init=False, default_factory=RewardFigures)
 
-    def reward(self, sample: Sample, prompt: Prompt) -> float:
-        return score(sample.answer_text, json.loads(prompt.entry_json), self.cfg.data)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reward_model", load_reward(self.cfg))
+
+    async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> list[Reward]:
+        """The configured reward of samples of one prompt (for a group reward: the whole group)."""
+        rewards = await self.reward_model([self.reward_sample(prompt, sample) for sample in samples])
+        for reward in rewards:
+            self.reward_figures.add(reward)
+        return rewards
+
+    def reward_sample(self, prompt: Prompt, sample: Sample) -> RewardSample:
+        label, metadata = reward_inputs(self.cfg, prompt)
+        return RewardSample(
+            source=prompt.dataset, prompt=prompt.question,
+            messages=tuple(prompt_messages(self.cfg, prompt)), response=sample.answer_text, label=label,
+            metadata=metadata, prompt_ids=tuple(sample.prompt_ids), response_ids=tuple(sample.response_ids),
+            finish_reason=sample.finish_reason, turns=sample.turns, tool_calls=sample.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -105,13 +148,20 @@ def load_layers(cfg: Config) -> Layers:
 
 # ---- rollout functions -----------------------------------------------------------------------------
 
-async def score_each(ctx: RolloutContext, group: GroupTask) -> AsyncIterator[tuple[int, Sample, float]]:
-    """G samples generated concurrently, each scored by the task's verifier as soon as it ends."""
+async def score_each(ctx: RolloutContext, group: GroupTask) -> AsyncIterator[tuple[int, Sample, Reward]]:
+    """G samples generated concurrently, each scored as soon as it ends (a group reward: once all have)."""
     tasks = [asyncio.ensure_future(_indexed(index, ctx.generate(group, index))) for index in range(group.size)]
     try:
+        if ctx.reward_model.per_group:
+            done = sorted([await task for task in tasks], key=lambda pair: pair[0])
+            rewards = await ctx.score(group.prompt, [sample for _, sample in done])
+            for (index, sample), reward in zip(done, rewards):
+                yield index, sample, reward
+            return
         for next_done in asyncio.as_completed(tasks):
             index, sample = await next_done
-            yield index, sample, ctx.reward(sample, group.prompt)
+            (reward,) = await ctx.score(group.prompt, [sample])
+            yield index, sample, reward
     finally:
         for task in tasks:
             task.cancel()
@@ -124,8 +174,8 @@ async def _indexed(index: int, sample: Awaitable[Sample]) -> tuple[int, Sample]:
 # ---- generate functions ----------------------------------------------------------------------------
 
 async def single_turn(ctx: RolloutContext, prompt: Prompt, request_id: str) -> Sample:
-    """The task prompt (system, question, pre-filled assistant turn) and one completion."""
-    input_ids = build_input_ids(ctx.tokenizer, prompt.question, ctx.cfg.data)
+    """The prompt's chat messages (system prompt first), the pre-filled assistant turn, and one completion."""
+    input_ids = chat_input_ids(ctx.tokenizer, prompt_messages(ctx.cfg, prompt), ctx.cfg.data.assistant_prefill)
     result = await ctx.engine.generate(GenerateRequest(request_id, tuple(input_ids), ctx.sampling))
     text = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     n = len(result.output_ids)

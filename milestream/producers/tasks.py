@@ -1,4 +1,4 @@
-"""The verifiable task: reasoning-gym prompts, their ChatML encoding, and the reward.
+"""The reasoning-gym task: its prompts, their chat encoding, and its answer-tag reward.
 
 reasoning-gym datasets are procedural: entry ``i`` is generated from ``seed + i`` on access, so a
 producer can start at any index without generating the ones before it, and every process that
@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,21 +40,32 @@ def iter_prompts(data_cfg: DataConfig, *, start: int = 0, stop: int | None = Non
 
 
 def build_input_ids(tokenizer: PreTrainedTokenizerBase, question: str, data_cfg: DataConfig) -> list[int]:
-    """System prompt, the question as the user turn, and the assistant turn opened and pre-filled.
-
-    The whole text is tokenized at once so the prefill merges with the turn header exactly as
-    the trainer would see it if it ever re-tokenized prompt text.
-    """
+    """System prompt, the question as the user turn, and the assistant turn opened and pre-filled."""
     messages = [
         {"role": "system", "content": data_cfg.system_prompt},
         {"role": "user", "content": question},
     ]
+    return chat_input_ids(tokenizer, messages, data_cfg.assistant_prefill)
+
+
+def chat_input_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], prefill: str) -> list[int]:
+    """The messages through the chat template, the assistant turn opened and pre-filled.
+
+    The whole text is tokenized at once so the prefill merges with the turn header exactly as
+    the trainer would see it if it ever re-tokenized prompt text.
+    """
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text + data_cfg.assistant_prefill, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text + prefill, add_special_tokens=False)["input_ids"])
 
 
 def score(completion_text: str, entry: dict[str, Any], data_cfg: DataConfig) -> float:
-    """Task score of the last number in the first closed answer tag, plus the format reward.
+    """The reasoning-gym verdict on the answer in the tag, plus the format reward (``tag_score``)."""
+    dataset = _dataset(data_cfg.task, _options_key(data_cfg), data_cfg.size, data_cfg.seed)
+    return tag_score(completion_text, data_cfg, lambda answer: float(dataset.score_answer(answer, entry)))
+
+
+def tag_score(completion_text: str, data_cfg: DataConfig, judge: Callable[[str | None], float]) -> float:
+    """``judge`` of the last number in the first closed answer tag, plus the format reward.
 
     The completion continues the pre-filled assistant turn, so the prefill is put back in front
     before looking for the tag. No closed tag scores 0: the format reward is what makes the
@@ -64,9 +75,7 @@ def score(completion_text: str, entry: dict[str, Any], data_cfg: DataConfig) -> 
     if match is None:
         return 0.0
     numbers = _NUMBER.findall(match.group(1))
-    answer = numbers[-1] if numbers else None
-    dataset = _dataset(data_cfg.task, _options_key(data_cfg), data_cfg.size, data_cfg.seed)
-    return float(dataset.score_answer(answer, entry)) + data_cfg.format_reward
+    return judge(numbers[-1] if numbers else None) + data_cfg.format_reward
 
 
 def _options_key(data_cfg: DataConfig) -> str:

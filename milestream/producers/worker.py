@@ -23,6 +23,7 @@ from milestream.engines.moe_routing import routing_records
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.infra.offsets import HeldOffsets
+from milestream.producers.rewards import Reward
 from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
@@ -128,7 +129,11 @@ class RolloutWorker:
                 await asyncio.sleep(0.1)
                 self.stalled_s += time.monotonic() - started
                 continue
-            delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
+            try:
+                delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
+            except asyncio.CancelledError:  # stopped while waiting for a prompt: the credit was not used
+                self.ledger.give_back()
+                raise
             if delivery is None:
                 self.ledger.give_back()
                 continue
@@ -176,17 +181,18 @@ class RolloutWorker:
             if not self.group_refill:
                 self.slots.release()
 
-    def _publish(self, group: Group, index: int, sample: Sample, reward: float) -> None:
+    def _publish(self, group: Group, index: int, sample: Sample, reward: float | Reward) -> None:
+        scored = reward if isinstance(reward, Reward) else Reward(reward)
         size = group.task.size
         routing = routing_records(f"{group.group_id}/{index}", group.group_id, index, size, sample.routing)
         trajectory = Trajectory(
             trajectory_id=f"{group.group_id}/{index}", group_id=group.group_id, prompt_id=group.prompt.prompt_id,
             sample_index=index, group_size=size, prompt_ids=sample.prompt_ids, response_ids=sample.response_ids,
-            loss_mask=sample.loss_mask, token_versions=sample.versions, reward=reward,
+            loss_mask=sample.loss_mask, token_versions=sample.versions, reward=scored.value,
             status=STATUS[sample.finish_reason],
             response_text=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
             engine_id=self.worker_id, worker_id=self.worker_id, submitted_at=group.submitted_at,
-            finished_at=time.time(), routing_chunks=len(routing),
+            finished_at=time.time(), routing_chunks=len(routing), reward_error=scored.error,
         )
         logprobs = LogProbs(trajectory.trajectory_id, group.group_id, index, size, sample.logprobs)
         self.producer.send(topics.TRAJECTORIES, [trajectory], key=group.group_id)
@@ -252,7 +258,8 @@ class RolloutWorker:
             values = {"samples": float(self.samples_done), "samples_per_s": self.samples_done / elapsed,
                       "inflight": float(len(self.tasks)), "stalled_s": self.stalled_s,
                       "engine_version": float(self.engine.version),
-                      "update_pause_s": float(getattr(self.engine, "update_pause_s", 0.0))}
+                      "update_pause_s": float(getattr(self.engine, "update_pause_s", 0.0)),
+                      **self.ctx.reward_figures.take()}
             self.producer.send(topics.METRICS, [Metrics(f"rollout/{self.worker_id}", int(elapsed), time.time(), values)])
 
 

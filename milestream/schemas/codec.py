@@ -6,6 +6,7 @@ Every decoding failure raises :class:`RecordError`, which names topic, partition
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
@@ -66,13 +67,26 @@ def decode_table(value: bytes | None, cls: type[Record], position: Position = Po
         raise RecordError(position, "<value>", f"not an Arrow IPC stream: {exc}") from None
     found = (table.schema.metadata or {}).get(_METADATA_KEY, b"<none>").decode(errors="replace")
     if found != cls.schema_id():
-        raise RecordError(position, "<schema>", f"schema {found!r}, expected {cls.schema_id()!r}")
+        table = _upgraded(table, found, cls, position)
     for expected in cls.SCHEMA:
         if expected.name not in table.schema.names:
             raise RecordError(position, expected.name, "missing")
         actual = table.schema.field(expected.name).type
         if actual != expected.type:
             raise RecordError(position, expected.name, f"type {actual}, expected {expected.type}")
+    return table
+
+
+def _upgraded(table: pa.Table, found: str, cls: type[Record], position: Position) -> pa.Table:
+    """A value written under an older version of ``cls``: the fields added since take their defaults
+    (a version may only add fields that have one), so a run logged before an upgrade still resumes."""
+    name, _, version = found.partition("/")
+    if name != cls.__name__ or not version.isdigit() or not 1 <= int(version) < cls.VERSION:
+        raise RecordError(position, "<schema>", f"schema {found!r}, expected {cls.schema_id()!r}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    for expected in cls.SCHEMA:
+        if expected.name not in table.schema.names and expected.name in defaults:
+            table = table.append_column(expected, pa.array([defaults[expected.name]] * len(table), expected.type))
     return table
 
 

@@ -68,6 +68,7 @@ TRAJECTORY_FIELDS = [
     ("token_versions", I32_LIST), ("reward", pa.float32()), ("status", pa.string()),
     ("response_text", pa.string()), ("engine_id", pa.string()), ("worker_id", pa.string()),
     ("submitted_at", pa.float64()), ("finished_at", pa.float64()), ("routing_chunks", pa.int32()),
+    ("reward_error", pa.string()),
 ]
 
 
@@ -91,7 +92,9 @@ class Trajectory(Record):
     submitted_at: float
     finished_at: float
     routing_chunks: int = 0  # Routing records that belong to it on rollout.routing (0: none recorded)
+    reward_error: str = ""  # why the reward failed (its group is dropped, reason reward_error); "" when it did not
     SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS)
+    VERSION: ClassVar = 2  # 2: reward_error
     STATUSES: ClassVar = ("completed", "truncated", "aborted")
 
 
@@ -160,7 +163,7 @@ class GroupSample(Trajectory):
 class Dropped(Record):
     group_id: str
     prompt_id: str
-    reason: str  # aborted | filtered | stale | incomplete
+    reason: str  # aborted | reward_error | filtered | stale | incomplete
     detail: str
     dropped_by: str
     num_samples: int
@@ -174,7 +177,7 @@ class Dropped(Record):
         ("min_version", pa.int32()), ("trainer_version", pa.int32()), ("mean_reward", pa.float32()),
         ("ts", pa.float64()),
     ])
-    REASONS: ClassVar = ("aborted", "filtered", "stale", "incomplete")
+    REASONS: ClassVar = ("aborted", "reward_error", "filtered", "stale", "incomplete")
 
 
 @_checked

@@ -4,8 +4,9 @@ A group is complete when every sample has its trajectory, its log-probs and, whe
 MoE routing (``Trajectory.routing_chunks`` > 0), every routing chunk. Records may arrive in any order
 and are de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is
 harmless.
-On completion a group is dropped, in Miles' order, when a sample was aborted, when the user filter
-rejects it, or (a pre-drop) when it is already past the staleness window of the latest version seen.
+On completion a group is dropped, in Miles' order, when a sample was aborted, when a sample's reward
+failed (``reward_error``), when the user filter rejects it, or (a pre-drop) when it is already past the
+staleness window of the latest version seen.
 """
 from __future__ import annotations
 
@@ -169,6 +170,9 @@ class GroupAssembler:
         aborted = [s.sample_index for s in samples if s.status == "aborted"]
         if aborted:
             return "aborted", f"samples {aborted} aborted"
+        failed = [s for s in samples if s.reward_error]
+        if failed:  # never trained on a made-up reward
+            return "reward_error", f"samples {[s.sample_index for s in failed]}: {failed[0].reward_error}"
         if self.group_filter is not None:
             keep, reason = self.group_filter(samples)
             if not keep:

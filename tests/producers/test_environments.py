@@ -120,7 +120,8 @@ def test_interpreter_episode_runs_each_message_as_a_cell(cfg):
     prompt = Prompt("p0", cfg.data.task, task.index, task.question, task.answer, json.dumps(task.entry))
     sample = asyncio.run(layers.generate(ctx, prompt, "g/0"))
     assert sample.turns == 2 and sample.tool_calls == 1 and sample.finish_reason == "stop"
-    assert ctx.reward(sample, prompt) == pytest.approx(1.1)
+    (reward,) = asyncio.run(ctx.score(prompt, [sample]))
+    assert reward.value == pytest.approx(1.1) and not reward.error
     tool_span = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m == 0])
     assert f"tool\n{task.answer}\n" in tool_span and tool_span.endswith("assistant\n<answer>")
     assert tokenizer.decode(sample.response_ids).endswith(f"<answer>{task.answer}</answer><|im_end|>")

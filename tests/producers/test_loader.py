@@ -40,7 +40,7 @@ def test_prompt_ids_wrap_into_the_next_epoch(cfg):
     load_prompts(cfg, start=2, count=3)
     ids = sorted(p.prompt_id for p in read_prompts(cfg, "audit"))
     assert ids == ["chain_sum-s42-e0-2", "chain_sum-s42-e1-0", "chain_sum-s42-e1-1"]
-    assert parse_group_id(cfg, "chain_sum-s42-e1-1#0") == (1, 1, 0)
+    assert parse_group_id(cfg, "chain_sum-s42-e1-1#0") == ("chain_sum", 1, 1, 0)
 
 
 def test_unused_groups_are_retried_once_with_a_new_group_id(cfg):

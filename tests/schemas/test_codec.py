@@ -34,7 +34,7 @@ def test_round_trip_keeps_values_and_order():
 
 def test_value_is_zstd_arrow_ipc_with_schema_id():
     table = pa.ipc.open_stream(encode([trajectory()])).read_all()
-    assert table.schema.metadata[b"milestream.schema"] == b"Trajectory/1"
+    assert table.schema.metadata[b"milestream.schema"] == Trajectory.schema_id().encode()
 
 
 def test_garbage_names_topic_partition_offset():
@@ -62,7 +62,7 @@ def test_wrong_record_type_names_the_missing_field():
 
 def test_field_of_wrong_type_is_named():
     schema = Trajectory.SCHEMA.set(Trajectory.SCHEMA.get_field_index("reward"), pa.field("reward", pa.string()))
-    schema = schema.with_metadata({b"milestream.schema": b"Trajectory/1"})
+    schema = schema.with_metadata({b"milestream.schema": Trajectory.schema_id().encode()})
     row = {**trajectory().to_row(), "reward": "high"}
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, schema) as writer:
@@ -70,3 +70,15 @@ def test_field_of_wrong_type_is_named():
     with pytest.raises(RecordError) as err:
         decode(sink.getvalue().to_pybytes(), Trajectory, POS)
     assert err.value.field == "reward"
+
+
+def test_a_value_of_an_older_version_decodes_with_the_added_fields_defaulted():
+    """A run archived before Trajectory/2 (which added reward_error) still resumes."""
+    old = pa.schema([f for f in Trajectory.SCHEMA if f.name != "reward_error"],
+                    metadata={b"milestream.schema": b"Trajectory/1"})
+    row = {k: v for k, v in trajectory(routing_chunks=1).to_row().items() if k != "reward_error"}
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, old) as writer:
+        writer.write_batch(pa.RecordBatch.from_pylist([row], schema=old))
+    (decoded,) = decode(sink.getvalue().to_pybytes(), Trajectory, POS)
+    assert decoded == trajectory(routing_chunks=1) and decoded.reward_error == ""

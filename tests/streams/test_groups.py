@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -46,6 +48,22 @@ def test_aborted_sample_drops_the_group_before_the_filter_runs():
         outcome, _ = assembler.add(record)
     assert outcome.dropped.reason == "aborted" and "[1]" in outcome.dropped.detail
     assert calls == []
+
+
+def test_a_failed_reward_drops_the_group_after_aborts_and_before_the_filter():
+    calls = []
+    assembler = GroupAssembler(group_filter=lambda s: calls.append(s) or (True, ""))
+    failed = dataclasses.replace(traj("g", 1), reward_error="TimeoutError: timed out after 30.0s")
+    for record in (traj("g", 0), failed, lp("g", 0), lp("g", 1)):
+        outcome, _ = assembler.add(record)
+    assert (outcome.dropped.reason, outcome.dropped.detail) == ("reward_error",
+                                                                "samples [1]: TimeoutError: timed out after 30.0s")
+    assert calls == []
+    assembler = GroupAssembler()
+    for record in (dataclasses.replace(failed, status="aborted"), traj("h", 0), lp("h", 0), lp("h", 1)):
+        record = dataclasses.replace(record, group_id="h", trajectory_id=f"h/{record.sample_index}")
+        outcome, _ = assembler.add(record)
+    assert outcome.dropped.reason == "aborted"  # an aborted sample has no reward to speak of
 
 
 def test_user_filter_rejects_with_its_reason():
