@@ -243,6 +243,27 @@ def load_trainable_state_dict(model: nn.Module, tensors: Mapping[str, Tensor]) -
             param.copy_(tensors[name])
 
 
+def merged_weights(model: nn.Module) -> dict[str, Tensor]:
+    """Every weight by its Hugging Face name, as ``trainable_state_dict`` of a full fine-tuning model
+    names them, with LoRA adapters merged into their base layers (W + scale BA, the sum peft's
+    merge_and_unload writes); the model itself is left as it is."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(model, PeftModel):
+        return trainable_state_dict(model)
+    base = model.get_base_model()
+    deltas = {f"{name}.weight": module.get_delta_weight(adapter).detach()
+              for name, module in base.named_modules() if isinstance(module, LoraLayer)
+              for adapter in module.active_adapters}
+    merged = {}
+    for name, param in base.named_parameters():
+        if "lora_" not in name:
+            plain = name.replace(".base_layer.", ".")
+            merged[plain] = param.detach() + deltas[plain] if plain in deltas else param.detach()
+    return merged
+
+
 def _trainable_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     from peft import PeftModel  # peft import costs ~1 s; only LoRA paths need it
 
