@@ -155,10 +155,13 @@ def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
     return tokenizer.convert_ids_to_tokens(ids[0])
 
 
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """Where generation stops: the end-of-turn token, and the eos when that differs."""
-    end = tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))
-    return tuple(dict.fromkeys(i for i in (end, tokenizer.eos_token_id) if i is not None))
+    return tuple(dict.fromkeys(i for i in (end_of_turn_id(tokenizer), tokenizer.eos_token_id) if i is not None))
 
 
 def load_model(cfg: ModelConfig, *, dtype: torch.dtype) -> nn.Module:
