@@ -188,7 +188,7 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype) -> nn.Module:
 
 def _from_folder(cfg: ModelConfig) -> nn.Module:
     model_config(cfg)  # names the folder and what it lacks before transformers tries
-    # seeded: weights the folder lacks (a head tied in config but saved untied) start the same everywhere
+    # seeded: any weight the folder lacks is initialised alike in the trainer and every engine
     return _seeded(cfg, lambda: AutoModelForCausalLM.from_pretrained(
         cfg.path, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code))
 

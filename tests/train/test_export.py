@@ -123,3 +123,36 @@ def test_the_cli_exports_a_checkpointed_version_and_names_what_is_no_longer_kept
         export_version(cfg, tmp_path / "v3", version=3)
     with pytest.raises(FileExistsError, match="not empty"):
         export_version(cfg, tmp_path / "v2", version=2)
+
+
+class RecordingProducer:
+    """Stands in for the broker: keeps what a sender announces on weights.versions."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def send(self, topic: str, records: list, key: str | None = None) -> None:
+        self.records += records
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_version_of_a_delta_chain_exports_with_its_records_checksums(folder: Path, tmp_path: Path) -> None:
+    from milestream.infra.model import load_model, trainable_state_dict
+    from milestream.streams.weights.delta import DeltaSender
+
+    cfg = run_config(folder, tmp_path / "run", lora_rank=4).with_overrides(
+        weights={"transport": "disk-delta", "full_every": 3})
+    model = load_model(cfg.model, dtype=torch.float32)
+    producer, sender = RecordingProducer(), DeltaSender(cfg)
+    for version in (1, 2, 3):  # a full version, then two deltas on it
+        for tensor in trainable_state_dict(model).values():
+            tensor.add_(0.01 * version)
+        sender.publish(producer, version, version, trainable_state_dict(model))
+    exported = export_version(cfg, tmp_path / "out")
+    record = producer.records[-1]
+    assert exported.source.endswith("v000003.delta") and record.base_version == 2
+    assert exported.checksums == dict(zip(record.tensor_names, record.checksums))
+    with torch.no_grad():
+        torch.testing.assert_close(exported_logits(tmp_path / "out"), model(PROBE).logits, atol=1e-5, rtol=0)

@@ -4,9 +4,13 @@ A session never re-renders what the model generated. What it needs from a templa
 that follows a history ending right after a generated end-of-turn token when new messages are
 appended: ``continuation``. Registered templates render one piece per message, so that text is the
 tail of the last assistant piece plus the pieces of the new messages, rendered with the whole
-conversation in view (Qwen merges consecutive tool results into one user turn). Other tokenizers get
-``GenericTemplate``: ``tokenizer.apply_chat_template`` rendered twice and cut by difference of
-prefixes, with a warning, and an error when their template is not prefix-stable.
+conversation in view (Qwen merges consecutive tool results into one user turn). A registered template
+is chosen by the tokenizer's vocabulary and, when the tokenizer carries a chat template, by rendering
+probe conversations exactly as it does (the same vocabulary with another template is not ChatML).
+Other tokenizers get ``GenericTemplate``: ``tokenizer.apply_chat_template`` rendered twice and cut by
+difference of prefixes, turns ending with the token the template writes after an assistant message,
+with a warning, and an error when their template is not prefix-stable (the prompt a stored turn was
+generated after included).
 
 Tool calls, in both registered templates, are Qwen's (Hermes-style) JSON blocks in the assistant
 text, after the content and a newline::
