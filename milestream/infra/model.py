@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import jinja2
 import torch
 from torch import Tensor, nn
 from transformers import (
@@ -88,6 +89,10 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
                                                   trust_remote_code=cfg.trust_remote_code)
         if tokenizer.pad_token is None:  # padding positions are masked; any real token will do
             tokenizer.pad_token = tokenizer.eos_token
+        try:  # a template sessions and generation cannot stop by is refused here, before any stage starts
+            end_of_turn_token(tokenizer)
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise ModelFolderError(f"model.path {folder}: chat template: {exc}") from None
         return tokenizer
     folder = _cached(cache_root() / SMOLLM2 / "tokenizer", _convert_tokenizer)
     return _fix_tokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True))

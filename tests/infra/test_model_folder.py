@@ -74,3 +74,14 @@ def test_a_lora_target_the_model_lacks_is_an_error(folder: Path) -> None:
     with pytest.raises(ValueError, match=r"model.lora_targets: \['wq'\] name no linear layer of LlamaForCausalLM; "
                                          r"its linear layers are \['down_proj', .*'v_proj'\]"):
         load_model(cfg, dtype=torch.float32)
+
+
+def test_a_chat_template_without_an_end_of_turn_token_or_a_broken_config_is_named(folder: Path, tmp_path: Path) -> None:
+    copy = damaged(folder, tmp_path)
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    with pytest.raises(ModelFolderError, match=f"model.path {copy}: chat template: .* not a special end-of-turn token"):
+        load_tokenizer(ModelConfig(path=str(copy)))
+    (copy / "config.json").write_text("{not json")
+    with pytest.raises(ModelFolderError, match=f"model.path {copy}/config.json: "):
+        context_length(ModelConfig(path=str(copy)))
+

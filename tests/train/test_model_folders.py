@@ -1,5 +1,6 @@
-"""A Qwen3-MoE model folder (model.path) keeps routing replay (R3) as the built-in tiny-moe does: the router
-hooks find its MoE layers, the engine records every token's experts and the trainer replays them."""
+"""Model folders (model.path) on the trainer's side: a Qwen3-MoE folder keeps routing replay (R3) as the
+built-in tiny-moe does (the router hooks find its MoE layers, the engine records every token's experts and
+the trainer replays them); trainer.backend=megatron takes a Llama folder and refuses a Qwen3-MoE one."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from model_folders import tiny_qwen3_moe_folder
+from model_folders import tiny_llama_folder, tiny_qwen3_moe_folder
 from test_routing_replay import PROMPT, experts_used, generate, per_sample, samples_of
 
 from milestream.config import Config, ModelConfig, RolloutConfig
@@ -48,3 +49,12 @@ def test_megatron_refuses_a_qwen3_moe_folder_before_any_rank_starts(tmp_path: Pa
                                   trainer={"backend": "megatron"})
     with pytest.raises(ValueError, match="model.path: Qwen3MoeForCausalLM is not supported by trainer.backend=megatron"):
         launch(cfg, "milestream.train.trainer:run_trainer")
+
+
+def test_megatron_takes_a_llama_folder_with_full_fine_tuning(tmp_path: Path) -> None:
+    from milestream.train.backends.megatron_weights import require_supported
+
+    folder = str(tiny_llama_folder(tmp_path / "llama"))
+    require_supported(ModelConfig(path=folder, lora_rank=0))
+    with pytest.raises(ValueError, match="set model.lora_rank=0"):
+        require_supported(ModelConfig(path=folder, lora_rank=4))
