@@ -1,4 +1,4 @@
-"""``milestream run | rollout | process | train | load-prompts | topics | archive | replay`` over the one typed Config."""
+"""``milestream run | rollout | process | train | load-prompts | topics | archive | replay | export`` over the one typed Config."""
 from __future__ import annotations
 
 import argparse
@@ -190,6 +190,17 @@ def _archive(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(cfg: Config, args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from milestream.train.export import export_version
+
+    exported = export_version(run_configuration(cfg, args), args.out, version=args.version, adapter=args.adapter)
+    print(json.dumps({k: v for k, v in dataclasses.asdict(exported).items() if k != "checksums"}))
+    return 0
+
+
 def _sessions(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.producers.sessions.server import serve_sessions
 
@@ -247,6 +258,8 @@ COMMANDS = {
     "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker; "
                         "--step N: recompute a trainer step and compare; select by step, group, time or offset "
                         "to --list, --show, --export or --redrive (see observe/debug_cli.py)"),
+    "export": (_export, "write a trained version (default: the newest kept) of --run-dir as a Hugging Face folder "
+                        "--out (LoRA merged; --adapter: the PEFT adapter alone), with its tokenizer"),
     "sessions": (_sessions, "serve token-in-token-out chat sessions over HTTP (sessions.host:port)"),
 }
 
@@ -290,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--flush-s", type=float, default=1.0,
                                  help="the oldest unflushed record is at most this old (the loss bound)")
             command.add_argument("--segment-records", type=int, default=10_000)
+        if name == "export":
+            command.add_argument("--out", required=True, help="the folder to write (new, or empty)")
+            command.add_argument("--version", type=int, help="the weight version (default: the newest kept)")
+            command.add_argument("--adapter", action="store_true", help="the LoRA adapter alone, not merged")
         if name == "replay":
             command.add_argument("--republish", action="store_true",
                                  help="produce the archive into the broker at the same offsets, restore group offsets")

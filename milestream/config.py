@@ -40,15 +40,26 @@ class RedisConfig(Section):
 
 
 class ModelConfig(Section):
+    # a built-in shortcut (infra/model.py); ignored when model.path is set: the folder wins
     name: Literal["smollm2-135m-instruct", "tiny-random", "tiny-moe"] = "smollm2-135m-instruct"
+    # a Hugging Face folder (config.json, safetensors weights, tokenizer with its chat template) of a
+    # causal LM that transformers loads; made absolute, so every stage and `milestream export` find it
+    path: str | None = None
+    trust_remote_code: bool = False  # let transformers run the folder's own modelling code
     lora_rank: int = 16  # 0: full fine-tuning
     lora_alpha: int = 32
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # module names LoRA adapts; None: those of q/k/v/o_proj, gate/up/down_proj the model has
+    lora_targets: tuple[str, ...] | None = None
     # compute dtype (autocast in training); auto: bfloat16 where the CPU has native bf16 (AMX,
     # AVX512-BF16), else float32 (emulated bf16 is several times slower than fp32)
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     seed: int = 0
     threads: int = 1  # torch intra-op threads per process; the loop's processes share the cores
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: str | None) -> str | None:
+        return str(Path(path).expanduser().absolute()) if path else None
 
 
 class SourceConfig(Section):

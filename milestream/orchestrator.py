@@ -66,9 +66,11 @@ def prepare(cfg: Config) -> None:
     import torch
 
     from milestream.infra.model import load_model, load_tokenizer
+    from milestream.train.backends.base import check_backend
 
     load_tokenizer(cfg.model)
     load_model(cfg.model, dtype=torch.float32)
+    check_backend(cfg)
 
 
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from milestream.config import ModelConfig, RolloutConfig
-from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict
+from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict, stop_token_ids
 from milestream.engines.moe_routing import RecordedRouting, RoutingTap, RowRouting
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -70,11 +70,12 @@ class Engine(Protocol):
 
 
 def sampling_params(rollout_cfg: RolloutConfig, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
-    """The configured sampling, stopping at the end of the assistant turn."""
+    """The configured sampling, stopping at the end of the assistant turn (the token the chat template
+    ends one with, which need not be the eos) or at the eos."""
     return SamplingParams(
         max_new_tokens=rollout_cfg.max_new_tokens,
         temperature=rollout_cfg.temperature,
-        stop_token_ids=(tokenizer.eos_token_id,),
+        stop_token_ids=stop_token_ids(tokenizer),
     )
 
 

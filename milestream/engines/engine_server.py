@@ -10,9 +10,10 @@ Endpoints, with SGLang's field names:
   POST /pause_generation          {"mode": "in_place"} (the default here): no step runs until continue;
                                   requests in flight stay where they are
   POST /continue_generation
-  POST /update_weights_from_disk  model_path: a milestream disk version (``vNNNNNN.safetensors``, checked
-                                  against its own checksums); weight_version: its version (default: from
-                                  the file name)
+  POST /update_weights_from_disk  model_path: a milestream version file of whole-model weights
+                                  (``vNNNNNN.safetensors``, checked against its own checksums; a LoRA run's
+                                  merged, as HttpEngine writes them); weight_version: its version (default:
+                                  from the file name)
   GET  /health, /get_model_info, /get_server_info, /get_weight_version
 
 The engine is token-in-token-out, like SGLang started with ``--skip-tokenizer-init``: no ``text`` in or
@@ -268,6 +269,8 @@ def serve_engine(cfg: Config, *, host: str, port: int, engine_id: str) -> None:
     """Load the policy, then serve it; prints ``engine serving http://HOST:PORT`` once ready."""
     configure_process(cfg.model)
     seed = cfg.model.seed * 1000 + zlib.crc32(engine_id.encode()) % 1000  # distinct samples per engine
-    engine = CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
-    server = EngineServer(engine, engine_id, cfg.model.name)
+    # a whole model, as SGLang holds: a LoRA run's versions arrive merged (http_engine.FullWeights)
+    whole = cfg.model.model_copy(update={"lora_rank": 0})
+    engine = CpuEngine(whole, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
+    server = EngineServer(engine, engine_id, cfg.model.path or cfg.model.name)
     asyncio.run(serve_app(server.app(), host, port, name=f"engine {engine_id}", on_stop=engine.close))

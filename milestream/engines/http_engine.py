@@ -6,6 +6,9 @@ request and reply are SGLang's (/generate with input_ids, sampling_params and re
 reply's meta_info.output_token_logprobs and weight_version). A CPU engine also returns the version of
 every token (meta_info.output_token_weight_versions); from SGLang, every token gets the reply's
 weight_version, which must then be an integer (start SGLang with ``--weight-version 0``).
+
+Engines behind the HTTP API hold whole models: a LoRA run's versions reach them with the adapters
+merged into the base weights (``FullWeights``), never as adapter tensors a whole-model loader cannot take.
 """
 from __future__ import annotations
 
@@ -17,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import torch
 from torch import Tensor
 
-from milestream.config import Config
+from milestream.config import Config, ModelConfig
 from milestream.engines.engine import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from milestream.engines.http_api import ROUTING_KEY_HEADER, reply_message
+from milestream.infra.model import load_model, load_trainable_state_dict, merged_weights
 from milestream.streams.weights.disk import prune, write_full
 
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
@@ -80,16 +85,29 @@ def _integer_version(raw: Any, source: str) -> int:
                               "SGLang with --weight-version 0; milestream sends each update's version)") from None
 
 
+class FullWeights:
+    """A LoRA policy's versions as whole-model weights, adapters merged into the base: what loaders of
+    whole models (SGLang's update_weights_from_disk, milestream's engine server) take."""
+
+    def __init__(self, model_cfg: ModelConfig) -> None:
+        self.model = load_model(model_cfg, dtype=torch.float32)  # the base the adapters merge into
+
+    def __call__(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        load_trainable_state_dict(self.model, tensors)
+        return merged_weights(self.model)
+
+
 class HttpEngine:
     """The ``Engine`` protocol over HTTP. ``routing_key`` names each request's session for a router
     (ignored by a plain engine); ``weights_dir`` is where ``update_weights`` writes a version that the
-    engines then load (a folder they can read)."""
+    engines then load (a folder they can read): whole-model weights, a LoRA ``model``'s merged."""
 
     def __init__(self, url: str, *, routing_key: Callable[[GenerateRequest], str] = group_routing_key,
                  weights_dir: Path | None = None, key_header: str = ROUTING_KEY_HEADER,
-                 timeout_s: float = 600.0, initial_version: int = 0) -> None:
+                 timeout_s: float = 600.0, initial_version: int = 0, model: ModelConfig | None = None) -> None:
         self.url = url.rstrip("/")
         self.routing_key, self.weights_dir, self.key_header = routing_key, weights_dir, key_header
+        self._full_weights = FullWeights(model) if model is not None and model.lora_rank > 0 else None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._client: aiohttp.ClientSession | None = None
         self._version = initial_version
@@ -117,7 +135,9 @@ class HttpEngine:
     async def update_weights(self, version: int, tensors: Mapping[str, Tensor]) -> None:
         if self.weights_dir is None:
             raise ValueError("HttpEngine.update_weights needs weights_dir, a folder the engines can read; "
-                             "or call update_weights_from_disk with a disk-transport version file")
+                             "or call update_weights_from_disk with a whole-model version file")
+        if self._full_weights is not None:
+            tensors = await asyncio.to_thread(self._full_weights, tensors)
         # step -1: this side only knows the version, not the trainer step that made it
         path, _, _ = await asyncio.to_thread(write_full, self.weights_dir, version, -1, tensors)
         await self.update_weights_from_disk(path, version)

@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
-from milestream.infra.model import configure_process, load_tokenizer
+from milestream.infra.model import configure_process, load_tokenizer, stop_token_ids
 from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
 from milestream.producers.data import held_out
 from milestream.producers.tasks import TaskPrompt, build_input_ids, score
@@ -78,7 +78,7 @@ class HeldOut:
         self.prompts = held_out_prompts(cfg)
         self.input_ids = [tuple(build_input_ids(tokenizer, p.question, cfg.data)) for p in self.prompts]
         self.sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                                       temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+                                       temperature=0.0, stop_token_ids=stop_token_ids(tokenizer))
         self.answer_only = cfg.data.model_copy(update={"format_reward": 0.0})
 
     async def score(self, engine: Engine, version: int) -> list[Score]:

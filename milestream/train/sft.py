@@ -20,7 +20,7 @@ from typing import Iterator
 from milestream.config import Config
 from milestream.train import checkpoint
 from milestream.train.learner import CollectedGroup, Learner
-from milestream.infra.model import configure_process, load_tokenizer
+from milestream.infra.model import configure_process, end_of_turn_id, load_tokenizer
 from milestream.producers.tasks import build_input_ids, iter_prompts
 from milestream.schemas.records import GroupSample
 
@@ -43,7 +43,7 @@ def sample(cfg: Config, tokenizer, index: int, question: str, answer: str) -> Gr
     """One example as a one-sample group: every response token is trained."""
     prompt_ids = build_input_ids(tokenizer, question, cfg.data)
     response_ids = list(tokenizer(f"{answer}</answer>", add_special_tokens=False)["input_ids"])
-    response_ids.append(tokenizer.eos_token_id)
+    response_ids.append(end_of_turn_id(tokenizer))  # what the chat template closes an assistant turn with
     n = len(response_ids)
     return GroupSample(f"sft-{index}/0", f"sft-{index}", f"sft-{index}", 0, 1, prompt_ids, response_ids, [1] * n,
                        [0] * n, 0.0, "completed", answer, "dataset", "sft", 0.0, 0.0, logprobs=[0.0] * n)

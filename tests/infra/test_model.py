@@ -10,6 +10,7 @@ from milestream.config import ModelConfig
 from milestream.infra import model as model_lib
 from milestream.infra.model import (
     EOS_TOKEN,
+    LORA_PROJECTIONS,
     load_model,
     load_tokenizer,
     load_trainable_state_dict,
@@ -50,7 +51,7 @@ def test_lora_freezes_the_base_and_trains_the_adapters() -> None:
     model = load_model(TINY_LORA, dtype=torch.float32)
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(trainable_state_dict(model))
-    assert len(trainable) == 2 * 2 * len(TINY_LORA.lora_targets)  # A and B, 2 layers
+    assert len(trainable) == 2 * 2 * len(LORA_PROJECTIONS)  # A and B, 2 layers, every projection it has
 
 
 def test_load_trainable_state_dict_casts_and_copies() -> None:

@@ -4,9 +4,13 @@ A session never re-renders what the model generated. What it needs from a templa
 that follows a history ending right after a generated end-of-turn token when new messages are
 appended: ``continuation``. Registered templates render one piece per message, so that text is the
 tail of the last assistant piece plus the pieces of the new messages, rendered with the whole
-conversation in view (Qwen merges consecutive tool results into one user turn). Other tokenizers get
-``GenericTemplate``: ``tokenizer.apply_chat_template`` rendered twice and cut by difference of
-prefixes, with a warning, and an error when their template is not prefix-stable.
+conversation in view (Qwen merges consecutive tool results into one user turn). A registered template
+is chosen by the tokenizer's vocabulary and, when the tokenizer carries a chat template, by rendering
+probe conversations exactly as it does (the same vocabulary with another template is not ChatML).
+Other tokenizers get ``GenericTemplate``: ``tokenizer.apply_chat_template`` rendered twice and cut by
+difference of prefixes, turns ending with the token the template writes after an assistant message,
+with a warning, and an error when their template is not prefix-stable (the prompt a stored turn was
+generated after included).
 
 Tool calls, in both registered templates, are Qwen's (Hermes-style) JSON blocks in the assistant
 text, after the content and a newline::
@@ -30,6 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
+
+from milestream.infra.model import end_of_turn_token
 
 log = logging.getLogger(__name__)
 
@@ -315,14 +321,19 @@ def _last_query_index(messages: Sequence[Message]) -> int:
 
 
 class GenericTemplate(_TokenizerTemplate):
-    """Any tokenizer with a Jinja chat template: new text is the difference of two renderings."""
+    """Any tokenizer with a Jinja chat template: new text is the difference of two renderings. An
+    assistant turn ends with the token the template writes after one (infra/model.py
+    ``end_of_turn_token``), the engine's stop token too."""
 
     name = "generic"
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        if not tokenizer.chat_template or tokenizer.eos_token is None:
-            raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat template or no eos token")
-        self.end_of_turn = tokenizer.eos_token
+        if not tokenizer.chat_template:
+            raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat template")
+        try:
+            self.end_of_turn = end_of_turn_token(tokenizer)
+        except ValueError as exc:
+            raise TemplateError(str(exc)) from None
         super().__init__(tokenizer)
 
     def render(self, messages: Sequence[Message], tools: Sequence[Message] | None = None, *,
@@ -337,18 +348,28 @@ class GenericTemplate(_TokenizerTemplate):
         full = self.render([*history, *new], tools, add_generation_prompt=True)
         if not history:
             return full
+        # The stored ids of the history came from the prompt its last turn was generated after; a
+        # template that renders that prompt otherwise once messages follow (one moving the system
+        # prompt into the last user turn) would give the model text it never saw, the system prompt twice.
+        self._require_prefix(full, self.render(history[:-1], tools, add_generation_prompt=True), history,
+                             "the prompt of its last assistant turn")
         before = self.render(history, tools)
         if self.end_of_turn not in before:
             raise TemplateError(f"{self.tokenizer.name_or_path!r}: the rendered history has no {self.end_of_turn!r}")
         cut = before.rindex(self.end_of_turn) + len(self.end_of_turn)
-        if full[:cut] != before[:cut]:
-            differs = next(i for i, (a, b) in enumerate(zip(full, before[:cut])) if a != b)
-            raise TemplateError(
-                f"{self.tokenizer.name_or_path!r}: its chat template renders the first {len(history)} messages "
-                f"differently once {len(new)} are appended (from character {differs}); the generic handler "
-                "needs a template whose rendering of a history is a prefix of any longer one"
-            )
+        self._require_prefix(full, before[:cut], history, f"the first {len(history)} messages")
         return full[cut:]
+
+    def _require_prefix(self, full: str, prefix: str, history: Sequence[Message], what: str) -> None:
+        if full.startswith(prefix):
+            return
+        at = next((i for i, (a, b) in enumerate(zip(full, prefix)) if a != b), min(len(full), len(prefix)))
+        raise TemplateError(
+            f"messages[{len(history) - 1}]: {self.tokenizer.name_or_path!r}'s chat template renders {what} "
+            f"differently once more messages are appended (from character {at}: {prefix[at:at + 30]!r} became "
+            f"{full[at:at + 30]!r}); the generic handler needs a template whose rendering of a history is a prefix "
+            "of any longer one"
+        )
 
     def message_key(self, message: Message) -> str:
         return canonical(message)  # what an unknown template reads is unknown: every field
@@ -367,14 +388,35 @@ REGISTERED: tuple[tuple[Callable[[PreTrainedTokenizerBase], bool], type[_PieceTe
     (_is_smollm2, SmolLM2Template),
     (_is_qwen3, Qwen3Template),
 )
+# renders every registered template's system turn, default system turn, both turns and generation prompt
+_PROBES = (
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+)
+
+
+def renders_like(tokenizer: PreTrainedTokenizerBase, template: ChatTemplate) -> bool:
+    """Whether the tokenizer's own chat template renders the probe conversations as ``template`` does;
+    True for a tokenizer without one (its vocabulary alone identifies it)."""
+    if not tokenizer.chat_template:
+        return True
+    return all(tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+               == template.render(probe, add_generation_prompt=True) for probe in _PROBES)
 
 
 def chat_template(tokenizer: PreTrainedTokenizerBase) -> ChatTemplate:
-    """The registered template for this tokenizer, or the generic one (with a warning)."""
-    for matches, template in REGISTERED:
+    """The registered template whose vocabulary and rendering match this tokenizer's, or the generic
+    one; either way a log line names it (and ``.name`` tells a caller)."""
+    for matches, registered in REGISTERED:
         if matches(tokenizer):
-            return template(tokenizer)
+            template = registered(tokenizer)
+            if renders_like(tokenizer, template):
+                log.info("chat template of tokenizer %r: %s (template as code)", tokenizer.name_or_path, template.name)
+                return template
+            log.warning("tokenizer %r has %s's vocabulary but a chat template of its own", tokenizer.name_or_path,
+                        template.name)
+    generic = GenericTemplate(tokenizer)
     log.warning("no registered chat template for tokenizer %r: falling back to the generic handler "
-                "(apply_chat_template by difference of prefixes; tool calls parsed as <tool_call> JSON)",
-                tokenizer.name_or_path)
-    return GenericTemplate(tokenizer)
+                "(apply_chat_template by difference of prefixes, turns ending with %r; tool calls parsed as "
+                "<tool_call> JSON)", tokenizer.name_or_path, generic.end_of_turn)
+    return generic

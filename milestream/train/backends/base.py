@@ -104,6 +104,13 @@ def make_backend(cfg: Config) -> TrainBackend:
     raise ValueError(f"unknown trainer.backend {name!r}")
 
 
+def check_backend(cfg: Config) -> None:
+    """Refuse, before any stage or rank starts, a model the configured backend cannot train."""
+    if cfg.trainer.backend == "megatron":
+        from milestream.train.backends.megatron_weights import require_supported
+        require_supported(cfg.model)
+
+
 def init_distributed() -> torch.device:
     """Join the process group torchrun describes in the environment; the compute device of this rank.
 

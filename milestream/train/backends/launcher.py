@@ -25,12 +25,14 @@ import tempfile
 from pathlib import Path
 
 from milestream.config import Config, import_path, load_config
+from milestream.train.backends.base import check_backend
 
 _STOP_GRACE_S = 30.0
 
 
 def launch(cfg: Config, entry: str, nproc: int = 2, timeout_s: float | None = None) -> None:
     run = import_path(entry, "launch entry")  # fail here, not on every rank
+    check_backend(cfg)
     if cfg.trainer.backend == "local":
         run(cfg)
         return

@@ -42,15 +42,15 @@ from milestream.config import Config
 from milestream.train.backends.base import (LossFn, Microbatch, StepResult, backward_share, clip_by_total_norm,
                                             compute_context, init_distributed, load_optimizer_state_by_name,
                                             optimizer_state_by_name, step_result, sum_across_ranks)
-from milestream.train.backends.megatron_weights import LlamaShape, hf_sources, hf_to_megatron, megatron_to_hf
+from milestream.train.backends.megatron_weights import (LlamaShape, hf_sources, hf_to_megatron, megatron_to_hf,
+                                                        require_supported)
 from milestream.train.logprobs import pad
 from milestream.train.tensor_ops import token_logprobs
 from milestream.infra.model import load_model, trainable_state_dict
 
 class MegatronBackend:
     def __init__(self, cfg: Config, tp_size: int | None = None):
-        if cfg.model.lora_rank > 0:
-            raise ValueError("trainer.backend=megatron trains all weights: set model.lora_rank=0")
+        require_supported(cfg.model)
         self.cfg = cfg
         self.device = init_distributed()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

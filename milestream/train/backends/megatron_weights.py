@@ -1,6 +1,7 @@
 """Llama weights between Hugging Face names and Megatron-core's tensor-parallel layout, both ways.
 
-Plain tensor shuffling (no megatron import), so the round trip is testable anywhere. Megatron's
+Plain tensor shuffling (no megatron import), so the round trip is testable anywhere, and what the
+backend refuses (``require_supported``) is checked before any stage starts. Megatron's
 differences from Hugging Face:
 
 - attention: one fused ``linear_qkv`` whose rows are grouped by query group, each group holding
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from milestream.config import ModelConfig
+from milestream.infra.model import model_config
+
 _HF_LAYER = "model.layers.{}."
 _MG_LAYER = "decoder.layers.{}."
 # (Megatron name, Hugging Face name, dimension split across ranks or None when replicated)
@@ -33,6 +37,26 @@ _Q, _K, _V = "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_
 _GATE, _UP = "mlp.gate_proj.weight", "mlp.up_proj.weight"
 _EMBEDDING, _HEAD = ("embedding.word_embeddings.weight", "model.embed_tokens.weight"), ("output_layer.weight", "lm_head.weight")
 _FINAL_NORM = ("decoder.final_layernorm.weight", "model.norm.weight")
+
+
+# what converts here: Llama's layout (RMSNorm, SwiGLU, no biases, no per-head q/k norms)
+ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+def require_supported(cfg: ModelConfig) -> None:
+    """Refuse, naming the field, a model trainer.backend=megatron cannot train."""
+    if cfg.lora_rank > 0:
+        raise ValueError("trainer.backend=megatron trains all weights: set model.lora_rank=0")
+    config = model_config(cfg)
+    architecture = (config.architectures or [type(config).__name__])[0]
+    field = "model.path" if cfg.path else "model.name"
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"{field}: {architecture} is not supported by trainer.backend=megatron "
+                         f"(it converts {', '.join(ARCHITECTURES)})")
+    biased = [flag for flag in ("attention_bias", "mlp_bias") if getattr(config, flag, False)]
+    if biased:
+        raise ValueError(f"{field}: {architecture} with {' and '.join(biased)} is not supported by "
+                         "trainer.backend=megatron (its conversion has no biases)")
 
 
 @dataclass(frozen=True)
