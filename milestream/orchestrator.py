@@ -194,7 +194,11 @@ def run_loop(cfg: Config) -> dict:
                     child.stop(grace=120.0 if child is trainer else 20.0)
             live.restart_broker()
             resume_from_archive(live.cfg, run_dir)
-        summary = write_report(run_dir, monitor.lineage, time.monotonic() - started, stopped_by=stopped_by)
+        buffer = BufferLedger(live.cfg).balance()
+        summary = write_report(run_dir, monitor.lineage, time.monotonic() - started, stopped_by=stopped_by,
+                               buffer=buffer)
+    if buffer["unaccounted"]:
+        log.error("the buffer's credit does not balance at the end of the run: %s", buffer)
     print(f"summary: {summary}")
     print(f"wrote {run_dir / 'summary.json'} and {run_dir / 'reward_staleness.png'}")
     return summary

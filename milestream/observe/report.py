@@ -35,9 +35,11 @@ def summarise(lineage: Lineage, wall_s: float, stopped_by: str = "steps") -> dic
     }
 
 
-def write_report(run_dir: str | Path, lineage: Lineage, wall_s: float, stopped_by: str = "steps") -> dict:
+def write_report(run_dir: str | Path, lineage: Lineage, wall_s: float, stopped_by: str = "steps",
+                 buffer: dict[str, int] | None = None) -> dict:
+    """``buffer``: the ledger's balance once the stages stopped (``BufferLedger.balance``)."""
     run_dir = Path(run_dir)
-    summary = summarise(lineage, wall_s, stopped_by)
+    summary = summarise(lineage, wall_s, stopped_by) | ({"buffer": buffer} if buffer is not None else {})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     steps = lineage.trainer_steps()
     with open(run_dir / "steps.jsonl", "w") as out:

@@ -181,6 +181,15 @@ class BufferLedger:
         return {"queue_size": float(len(lags)), "queue_staleness_mean": sum(lags) / len(lags) if lags else 0.0,
                 "queue_staleness_max": float(max(lags, default=0)), "credit_available": float(self.available())}
 
+    def balance(self) -> dict[str, int]:
+        """The invariant's terms, read with every stage stopped: credit available + groups queued + groups
+        admitted and not yet settled by the processor = capacity. ``unaccounted`` is the difference: a credit
+        leaked (positive) or returned twice (negative); 0 in a sound run."""
+        settled = sum(state == SETTLED.encode() for state in self.client.hvals(self.keys.settlements))
+        available, queued, in_flight = self.available(), self.queued(), self.prompts_admitted() - settled
+        return {"capacity": self.capacity, "available": available, "queued": queued, "in_flight": in_flight,
+                "unaccounted": self.capacity - available - queued - in_flight}
+
     # the prompt feeder keeps a bounded look-ahead of prompts beyond what workers have admitted
     def prompt_admitted(self) -> None:
         self.client.incr(self.keys.prompts_admitted)
