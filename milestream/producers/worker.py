@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from milestream.config import Config
 from milestream.evaluate.evaluation import SharedEvaluation
+from milestream.infra import faults
 from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.producers.engine import CpuEngine, Engine, sampling_params
@@ -129,6 +130,7 @@ class RolloutWorker:
             async for index, sample, reward in self.layers.rollout(self.ctx, group.task):
                 self._publish(group, index, sample, reward)
                 self.samples_done += 1
+                faults.hold("worker.sample_published")
         finally:
             group.task.admitted.set()
             if self.group_refill:

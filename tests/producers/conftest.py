@@ -11,6 +11,8 @@ from milestream.config import ModelConfig, RolloutConfig
 from milestream.infra.model import load_tokenizer
 from milestream.producers.engine import CpuEngine
 
+from holds import Holds
+
 TINY_FP32 = ModelConfig(name="tiny-random", dtype="float32", lora_rank=0, seed=3)
 
 
@@ -23,6 +25,12 @@ def tiny_cfg() -> ModelConfig:
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerBase:
     return load_tokenizer(TINY_FP32)
+
+
+@pytest.fixture
+def holds(monkeypatch, tmp_path) -> Holds:
+    """Hold points on in this process: an engine can be held between two of its steps."""
+    return Holds.enable(monkeypatch, tmp_path)
 
 
 @pytest.fixture
