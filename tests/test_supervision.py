@@ -95,7 +95,8 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypa
     runner, outcome = start_run(cfg)
     config_path = run_dir / "config.yaml"
     try:
-        wait_for(config_path.exists, 120, "the run's configuration", runner)
+        # the stages start once their configuration is written whole: read it then, not when it appears
+        wait_for(lambda: stage_pids(config_path, "process"), 120, "the run's stages", runner)
         live = load_config(config_path)
         emitted_so_far = EmittedGroups(live)
         for groups in PROCESSOR_KILLS_AT_GROUPS:
