@@ -12,7 +12,7 @@ trajectory lengths (the k-th sample admitted gets the k-th length of one seeded 
   ``buffer.max_staleness``; each new version pauses the engines while it loads, generation goes on.
 
 Real: the buffer bound and its accounting run through milestream's own code on a real redis-server —
-``streams.credit.Credit`` (take on admission, leave on take / stale drop), ``streams.processor.Settlements``
+``streams.ledger.BufferLedger`` (take on admission, settle, leave on take / stale drop)
 (a finished group settled as emitted, queued in Redis), the data selector named by ``buffer.selector``
 (``train.collector.fifo``) over ``PooledGroup``s, and ``streams.groups`` staleness; the knobs are the
 Config's (batch groups, group size, buffer capacity, staleness bound). Left out: the processor's early
@@ -44,9 +44,8 @@ from milestream.config import Config, import_path, load_config
 from milestream.train.collector import PooledGroup
 from milestream.infra.services import EmbeddedRedis
 from milestream.schemas.codec import Position
-from milestream.streams.credit import Credit
 from milestream.streams.groups import oldest_version, staleness
-from milestream.streams.processor import Settlements
+from milestream.streams.ledger import EMITTED, BufferLedger
 
 
 @dataclass(frozen=True)
@@ -204,8 +203,8 @@ class AsyncRun:
     def __init__(self, cfg: Config, model: Model, lengths: np.ndarray):
         self.cfg, self.model = cfg, model
         self.pool = Pool(model, lengths)
-        self.credit, self.settlements = Credit(cfg), Settlements(cfg)
-        self.credit.initialise()
+        self.ledger = BufferLedger(cfg)
+        self.ledger.initialise()
         self.selector = import_path(cfg.buffer.selector, "buffer.selector")
         self.buffered: dict[str, PooledGroup] = {}
         self.tokens: dict[str, int] = {}  # response tokens of each buffered or training group
@@ -239,7 +238,7 @@ class AsyncRun:
     def _admit(self) -> None:
         while self.pool.free_slots():
             if not self.admitting:
-                if not self.credit.try_take():
+                if not self.ledger.try_take():
                     return
                 self.admitting.append(Group(f"async-{next(self.ids)}", self.cfg.rollout.group_size))
                 self.in_flight += 1
@@ -253,8 +252,8 @@ class AsyncRun:
         if len(group.samples) < group.size:
             return
         self.in_flight -= 1
-        self.settlements.begin(group.group_id)
-        self.settlements.settle(group.group_id, "emitted", oldest_version(group.samples))
+        self.ledger.begin_sending(group.group_id)
+        self.ledger.settle(group.group_id, EMITTED, oldest_version(group.samples))
         self.buffered[group.group_id] = PooledGroup(group.group_id, group.samples, Position("sim", 0, 0),
                                                     next(self.arrivals))
         self.tokens[group.group_id] = group.tokens
@@ -283,10 +282,10 @@ class AsyncRun:
         del self.buffered[pooled.group_id]
         if pooled not in (self.training or ()):
             self.tokens.pop(pooled.group_id)
-        self.credit.leave(pooled.group_id)
+        self.ledger.leave(pooled.group_id)
 
     def _conserved(self) -> bool:
-        return self.credit.available() + self.credit.queued() + self.in_flight == self.credit.capacity
+        return self.ledger.available() + self.ledger.queued() + self.in_flight == self.ledger.capacity
 
 
 def parse_args() -> argparse.Namespace:
@@ -332,7 +331,7 @@ def main() -> None:
                   "step = step_base_s + step_per_seq_s * batch; prefill not modelled",
                   "trainer": "step = train_base_s + train_per_token_s * response tokens",
                   "lengths": "lognormal(log(length_median), length_sigma) clipped to [16, length_max], same draw for both"},
-        "real": ["streams.credit.Credit on redis-server", "streams.processor.Settlements", "buffer.selector "
+        "real": ["streams.ledger.BufferLedger on redis-server", "buffer.selector "
                  + cfg.buffer.selector, "train.collector.PooledGroup", "streams.groups.staleness"],
         "wall_s": round(wall_s, 2),
     }))

@@ -28,7 +28,7 @@ from milestream.infra.services import die_with_parent, services
 from milestream.schemas import topics
 from milestream.schemas.codec import encode, headers_for
 from milestream.schemas.records import LogProbs, Trajectory
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 RAW = topics.TopicSpec("bench.raw", Trajectory, "group id")
 
@@ -134,7 +134,7 @@ def main() -> None:
     with services(Config()) as live, tempfile.TemporaryDirectory() as workdir:
         cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, broker={"topic_prefix": "bench."})
         Admin(cfg.broker).create_topics([*topics.CATALOGUE, RAW])
-        Credit(cfg).initialise()
+        BufferLedger(cfg).initialise()
         processor = start_processor(cfg, Path(workdir))
         producer = RecordProducer(cfg.broker, client_id="bench")
         consumer = RecordConsumer(cfg.broker, topics.GROUPS, "bench-trainer").assign(partitions=range(cfg.broker.partitions))

@@ -30,17 +30,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts
 import data_plane  # noqa: E402
 
 from milestream.config import Config, load_config  # noqa: E402
-from milestream.infra.kafka import Admin, RecordProducer, client_config, topic_name  # noqa: E402
+from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, topic_name  # noqa: E402
 from milestream.infra.services import die_with_parent, services  # noqa: E402
 from milestream.schemas import topics  # noqa: E402
 from milestream.schemas.records import Trajectory  # noqa: E402
-from milestream.streams.credit import Credit  # noqa: E402
+from milestream.streams.ledger import BufferLedger  # noqa: E402
 
 FORWARDED = topics.TopicSpec("bench.forwarded", Trajectory, "group id")
 SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS)
@@ -75,11 +73,8 @@ class OutputReader:
     """Reads an output topic's raw messages from the beginning; no decoding, so reading costs little."""
 
     def __init__(self, cfg: Config, spec: topics.TopicSpec):
-        settings = {"group.id": f"bench-reader-{time.time()}", "enable.auto.commit": "false",
-                    "fetch.message.max.bytes": str(cfg.broker.max_message_bytes)}
-        self.consumer = Consumer(client_config(cfg.broker, **settings))
-        name = topic_name(cfg.broker, spec)
-        self.consumer.assign([TopicPartition(name, p, OFFSET_BEGINNING) for p in range(cfg.broker.partitions)])
+        reader = RecordConsumer(cfg.broker, spec, f"bench-reader-{time.time()}")
+        self.consumer = reader.assign(partitions=range(cfg.broker.partitions)).consumer  # its raw messages
 
     def emitted(self, messages_per_group: dict[str, int], timeout_s: float = 300.0) -> dict[str, float]:
         """When each group was emitted: the latest CreateTime (s) of its expected output messages."""
@@ -162,7 +157,7 @@ def main() -> None:
         forward_cfg = live.with_overrides(broker={"topic_prefix": "bench-forward."})
         for cfg in (processor_cfg, forward_cfg):
             Admin(cfg.broker).create_topics([*topics.CATALOGUE, FORWARDED])
-        Credit(processor_cfg).initialise()
+        BufferLedger(processor_cfg).initialise()
         processor_s, latencies = measure(processor_cfg, lambda: data_plane.start_processor(processor_cfg, Path(workdir)),
                                          topics.GROUPS, 1, warmup, burst, paced, args.rate)
         forward_s, forward_latencies = measure(forward_cfg, lambda: start_forward(forward_cfg, Path(workdir)),

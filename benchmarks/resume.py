@@ -5,13 +5,14 @@ the baseline, untouched, and the chaos run, whose trainer is SIGKILLed ``--kills
 points (each kill waits for a new checkpoint, then a random 0-0.5 s: mid-step, between publishing a
 step and checkpointing it, or during the start-up after the previous kill). The run supervises the
 trainer, which resumes from its checkpoint. Then the archived log and the last checkpoint are
-audited (log/audit.py). Prints one JSON line:
+audited (log/audit.py, against log/lineage.py). Prints one JSON line:
 
   kills               SIGKILLs that hit a live trainer
   groups_lost         groups on buffer.groups neither trained, dropped, nor waiting in the buffer
   groups_duplicated   groups trained more than once in the run's lineage
+  groups_trained_and_dropped   groups both trained and dropped
   steps_redone        step records published twice (a kill between publishing and checkpointing)
-  exact               no group lost or duplicated and no step missing
+  exact               no group lost, duplicated or both trained and dropped, and no step missing
   wall_s / baseline_wall_s / ratio   the chaos run's time over the baseline's
 
     python benchmarks/resume.py [--kills 20] [--steps 44] [--seed 1]
@@ -88,6 +89,7 @@ def main() -> None:
         audit = audit_run(chaos_cfg.run.run_dir)
     print(json.dumps({
         "kills": kills, "groups_lost": len(audit.groups_lost), "groups_duplicated": len(audit.groups_duplicated),
+        "groups_trained_and_dropped": len(audit.groups_trained_and_dropped),
         "steps": audit.steps, "steps_redone": audit.step_records - audit.steps, "groups_trained": audit.groups_trained,
         "groups_dropped": audit.groups_dropped, "groups_buffered": audit.groups_buffered, "exact": audit.exact,
         "wall_s": round(chaos["wall_s"], 1), "baseline_wall_s": round(baseline["wall_s"], 1),

@@ -58,9 +58,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _rollout(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.evaluate.evaluation import shared_evaluation
     from milestream.producers.worker import run_worker
 
-    run_worker(cfg, worker_id=args.worker_id)
+    run_worker(cfg, worker_id=args.worker_id, hook=shared_evaluation(cfg, args.worker_id))
     return 0
 
 
@@ -148,14 +149,14 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _engine(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.producers.engine_server import serve_engines
+    from milestream.engines.engine_server import serve_engines
 
     serve_engines(cfg, host=args.host, port=args.port, engine_id=args.engine_id, count=args.engines)
     return 0
 
 
 def _router(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.producers.router import serve_router, sglang_router_args
+    from milestream.engines.router import serve_router, sglang_router_args
 
     if args.sglang:  # the same routing on sglang-router (gpu extra); see sglang_router_args for what differs
         command = sglang_router_args(cfg.router)

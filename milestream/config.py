@@ -197,7 +197,7 @@ class EvalConfig(Section):
 
 
 class RouterConfig(Section):
-    """The affinity router in front of HTTP engines (producers/router.py, ``milestream router``)."""
+    """The affinity router in front of HTTP engines (engines/router.py, ``milestream router``)."""
 
     # one entry per engine: the URL of each of its data-parallel ranks (a bare URL: an engine of one rank)
     engines: tuple[tuple[str, ...], ...] = ()

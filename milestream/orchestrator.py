@@ -22,12 +22,14 @@ import time
 from pathlib import Path
 
 from milestream.config import Config
-from milestream.observe.report import write_report
-from milestream.infra.kafka import Admin, RecordConsumer
+from milestream.infra.kafka import Admin
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
+from milestream.log.lineage import Lineage
+from milestream.observe.feed import TopicFeed
+from milestream.observe.report import write_report
 from milestream.schemas import topics
-from milestream.schemas.records import Dropped, Metrics
-from milestream.streams.credit import Credit
+from milestream.schemas.records import Metrics
+from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def prepare(cfg: Config) -> None:
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
     prepare(cfg)
     Admin(cfg.broker).create_topics()
-    Credit(cfg).initialise()
+    BufferLedger(cfg).initialise()
     children = [Child("archiver", ["archive"], config_path, log_dir)] if cfg.run.archive else []
     children += [Child("loader", ["load-prompts", "--follow"], config_path, log_dir),
                 Child("processor", ["process"], config_path, log_dir)]
@@ -94,30 +96,26 @@ class BrokerLost(RuntimeError):
 
 
 class Monitor:
-    """What the topics say about the run: trainer steps (the latest record per step) and drops."""
+    """What the topics say about the run: its lineage of trainer steps and drops (log/lineage.py)."""
 
     def __init__(self, cfg: Config, printed: set[int], started: float):
         self.cfg, self.printed, self.started = cfg, printed, started
-        self.steps: dict[int, Metrics] = {}
-        self.dropped: dict[str, Dropped] = {}
-        self.metrics = RecordConsumer(cfg.broker, topics.METRICS, "run-monitor").assign(partitions=[0])
-        self.drops = RecordConsumer(cfg.broker, topics.DROPPED, "run-monitor").assign(
-            partitions=range(cfg.broker.partitions))
+        self.lineage = Lineage()
+        self.feed = TopicFeed(cfg, "run-monitor", specs=(topics.METRICS, topics.DROPPED))
 
     def poll(self, drain: bool = False) -> None:
         """Take what arrived (everything there is, with ``drain``), printing each trainer step once."""
-        drops = self.drops.drain(0.5, 10.0) if drain else self.drops.drain(0.05, 1.0)
-        self.dropped.update((r.group_id, r) for d in drops for r in d.records)
-        deliveries = self.metrics.drain(0.5, 10.0) if drain else [d for d in [self.metrics.poll(0.5)] if d]
-        for record in (r for d in deliveries for r in d.records if r.source == "trainer"):
-            self.steps[record.step] = record  # a restarted trainer redoes the steps after its checkpoint
-            if record.step not in self.printed:
+        items = self.feed.drain(0.5, 20.0) if drain else self.feed.poll(0.5)
+        for item in items:
+            self.lineage.observe(item.record, item.position)
+        for record in (item.record for item in items if item.spec == topics.METRICS):
+            if record.source == "trainer" and record.step not in self.printed:
                 self.printed.add(record.step)
-                print_step(self.cfg, record, list(self.dropped.values()), time.monotonic() - self.started)
+                print_step(self.cfg, self.lineage.steps[record.step], self.lineage,
+                           time.monotonic() - self.started)
 
     def close(self) -> None:
-        self.metrics.close()
-        self.drops.close()
+        self.feed.close()
 
 
 def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child) -> None:
@@ -149,11 +147,9 @@ def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, m
     return stopped_by
 
 
-def print_step(cfg: Config, record: Metrics, dropped: list[Dropped], elapsed: float) -> None:
+def print_step(cfg: Config, record: Metrics, lineage: Lineage, elapsed: float) -> None:
     v = record.values
-    reasons: dict[str, int] = {}
-    for d in dropped:
-        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+    reasons = lineage.drop_reasons()
     print(f"step {record.step:3d}/{cfg.trainer.steps}  reward {v['reward_mean']:.3f}  "
           f"staleness {v['staleness_mean']:.2f} (max {v['staleness_max']:.0f})  queue {v['queue_size']:.0f}  "
           f"dropped {reasons or '-'}  loss {v['loss']:+.4f}  step {v['step_s']:.1f}s  [{elapsed:.0f}s]", flush=True)
@@ -194,8 +190,7 @@ def run_loop(cfg: Config) -> dict:
                     child.stop(grace=120.0 if child is trainer else 20.0)
             live.restart_broker()
             resume_from_archive(live.cfg, run_dir)
-        summary = write_report(run_dir, list(monitor.steps.values()), list(monitor.dropped.values()),
-                               time.monotonic() - started, stopped_by=stopped_by)
+        summary = write_report(run_dir, monitor.lineage, time.monotonic() - started, stopped_by=stopped_by)
     print(f"summary: {summary}")
     print(f"wrote {run_dir / 'summary.json'} and {run_dir / 'reward_staleness.png'}")
     return summary

@@ -1,17 +1,21 @@
-"""Shared fixtures: one real broker (tansu) and one real Redis for the session; every test gets
-its own topic and key namespace on them, with the topics created."""
+"""Shared fixtures: one real broker (tansu) and one real Redis for the session, every test with its own
+topic and key namespace on them; the tiny random policy, its tokenizer, and engines on it."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from transformers import PreTrainedTokenizerBase
 
-from milestream.config import Config
+from milestream.config import Config, ModelConfig, RolloutConfig
+from milestream.engines.engine import CpuEngine
 from milestream.infra.kafka import Admin
+from milestream.infra.model import load_tokenizer
 from milestream.infra.services import services
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 _namespaces = itertools.count()
 
@@ -40,5 +44,34 @@ def cfg(live_services: Config, tmp_path) -> Config:
         run={"run_dir": str(tmp_path / "run")},
     )
     Admin(cfg.broker).create_topics()
-    Credit(cfg).initialise()
+    BufferLedger(cfg).initialise()
     return cfg
+
+
+TINY_FP32 = ModelConfig(name="tiny-random", dtype="float32", lora_rank=0, seed=3)
+
+
+@pytest.fixture
+def tiny_cfg() -> ModelConfig:
+    """The tiny random policy in fp32, full fine-tuning: exact enough for 1e-4 log-prob checks."""
+    return TINY_FP32
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return load_tokenizer(TINY_FP32)
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., CpuEngine]]:
+    """Builds CpuEngines (tiny fp32 model unless told otherwise) and closes them after the test."""
+    engines: list[CpuEngine] = []
+
+    def make(model_cfg: ModelConfig = TINY_FP32, **kwargs: object) -> CpuEngine:
+        engine = CpuEngine(model_cfg, RolloutConfig(), **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        asyncio.run(engine.close())

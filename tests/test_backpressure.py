@@ -6,7 +6,7 @@ import time
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import start_stages
 from milestream.schemas import topics
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 from holds import Holds
 
@@ -27,7 +27,7 @@ def test_paused_trainer_stalls_rollout_within_capacity(cfg, tmp_path, monkeypatc
     holds = Holds.enable(monkeypatch, tmp_path)
     holds.arm("trainer.collected")  # paused with its first batch taken, before its first step
     children, trainer = start_stages(cfg, config_path, tmp_path / "logs")
-    credit = Credit(cfg)
+    credit = BufferLedger(cfg)
     groups = RecordConsumer(cfg.broker, topics.GROUPS, "audit").assign(partitions=range(cfg.broker.partitions))
     emitted: set[str] = set()
 

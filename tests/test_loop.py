@@ -2,28 +2,19 @@
 then two of its steps replayed from the log bit for bit."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
+from milestream.infra.kafka import RecordProducer
+from milestream.log.audit import archived_lineage, audit_run
+from milestream.log.reader import BrokerSource
 from milestream.observe.recompute import replay_step
-from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics
 from milestream.schemas.records import LogProbs, Trajectory
 
 PLUGINS = str(Path(__file__).parent / "plugins")
-
-
-def read_all(cfg, spec):
-    """Every record on a topic; with no dead-letter producer a record that fails to decode raises."""
-    partitions = range(cfg.broker.partitions) if spec.keyed_partitions else [0]
-    consumer = RecordConsumer(cfg.broker, spec, f"audit-{time.time()}").assign(partitions=partitions)
-    try:
-        return [r for d in consumer.drain(idle_s=3.0) for r in d.records]
-    finally:
-        consumer.close()
 
 
 def inject_aborted_group(cfg) -> str:
@@ -56,21 +47,26 @@ def test_whole_loop(loop_cfg):
             print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
         raise
 
-    every = {spec.name: read_all(cfg, spec) for spec in topics.CATALOGUE}  # decodes every record
+    source = BrokerSource(cfg, idle_s=3.0)  # raises on a record that does not decode
+    every = {spec.name: [r for m in source.messages(spec) for r in m.records] for spec in topics.CATALOGUE}
     assert every["deadletter"] == []
-    steps = sorted((m for m in every["buffer.metrics"] if m.source == "trainer"), key=lambda m: m.step)
-    dropped = {d.group_id: d for d in every["buffer.dropped"]}
-    trained = {gid: (m.step, lag) for m in steps for gid, lag in zip(m.group_ids, m.group_staleness)}
+    lineage = archived_lineage(cfg.run.run_dir)
+    trained = {gid: steps[-1] for gid, steps in lineage.training().items()}
+    dropped = lineage.drops
     emitted = {}
     for sample in every["buffer.groups"]:
         emitted.setdefault(sample.group_id, []).append(sample)
+    assert lineage.emitted.keys() == emitted.keys()  # the archive holds what the broker holds
 
     # every trained group's staleness, recomputed from its tokens, is within the bound
     for gid, (step, lag) in trained.items():
         oldest = min(v for s in emitted[gid] for v in s.token_versions)
         assert lag == (step - 1) - oldest <= cfg.buffer.max_staleness
-    # every group that completed was trained, dropped with its reason, or is still buffered
-    assert not trained.keys() & dropped.keys()
+    # every group that completed (reached buffer.groups) was trained once, dropped with its reason, or is
+    # still buffered; none both trained and dropped
+    audit = audit_run(cfg.run.run_dir)
+    assert audit.exact, audit
+    assert audit.groups_emitted == audit.groups_trained + audit.groups_dropped + audit.groups_buffered
     assert dropped[aborted].reason == "aborted"
     for gid, d in dropped.items():
         assert d.reason in ("aborted", "filtered", "stale") and d.detail

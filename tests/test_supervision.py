@@ -19,8 +19,8 @@ from milestream.config import load_config
 from chaos import pids, sigkill, stage_pids
 from holds import Holds
 from milestream.train import checkpoint
-from milestream.log.archive import archived_messages
-from milestream.log.audit import audit_run
+from milestream.log.audit import archived_lineage, audit_run
+from milestream.log.reader import read_archive
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics
@@ -59,7 +59,7 @@ class EmittedGroups:
 
 
 def archived(run_dir: Path, spec) -> list:
-    return [record for *_, records in archived_messages(run_dir, spec) for record in records]
+    return [record for m in read_archive(run_dir, spec) for record in m.records]
 
 
 def start_run(cfg) -> tuple[threading.Thread, dict]:
@@ -123,16 +123,12 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypa
     assert processor_log.count("==== life") >= len(PROCESSOR_KILLS_AT_GROUPS) + 2
 
     # the durable log of the whole run, both brokers, as the archive holds it
-    steps: dict[int, list[str]] = {}
-    for m in archived(run_dir, topics.METRICS):
-        if m.source == "trainer":
-            steps[m.step] = m.group_ids  # a resumed trainer redoes the steps after its checkpoint
-    assert sorted(steps) == list(range(1, cfg.trainer.steps + 1))
-    trained = collections.Counter(g for ids in steps.values() for g in ids)
-    assert all(n == 1 for n in trained.values()), "a group trained twice"
-    dropped = {d.group_id: d.reason for d in archived(run_dir, topics.DROPPED)}
-    assert not trained.keys() & dropped.keys()
-    emitted = {s.group_id for s in archived(run_dir, topics.GROUPS)}
+    lineage = archived_lineage(run_dir)  # a resumed trainer redoes the steps after its checkpoint
+    assert sorted(lineage.steps) == list(range(1, cfg.trainer.steps + 1))
+    assert not lineage.trained_twice(), "a group trained twice"
+    assert not lineage.trained_and_dropped()
+    trained, emitted = lineage.training(), lineage.emitted.keys()
+    dropped = {g: d.reason for g, d in lineage.drops.items()}
     samples = collections.defaultdict(set)  # a prompt admitted again after the crash is generated again
     for t in archived(run_dir, topics.TRAJECTORIES):
         samples[t.group_id].add(t.sample_index)

@@ -1,7 +1,7 @@
 """Held-out evaluation as a consumer of ``weights.versions``, in Miles' three modes (``eval.mode``).
 
   shared     the rollout engine of worker ``eval.shared_worker`` evaluates: the worker awaits
-             ``SharedEvaluation.admission()`` before each new submission and calls ``maybe_evaluate`` once it
+             ``SharedEvaluation.admission()`` before each new submission and calls ``after_version`` once it
              has applied a version; meanwhile new submissions wait and the requests in flight go on
   dedicated  ``milestream eval`` with a CpuEngine of its own that loads each due version through the
              configured transport's receiver (disk: the version's safetensors snapshot; disk-delta: the chain)
@@ -30,13 +30,12 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
-from confluent_kafka import TopicPartition
 from transformers import PreTrainedTokenizerBase
 
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
-from milestream.producers.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
+from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
 from milestream.producers.tasks import TaskPrompt, build_input_ids, iter_prompts, score
 from milestream.schemas import topics
 from milestream.schemas.records import EvalResult, WeightVersion
@@ -168,17 +167,18 @@ async def publish_outcome(cfg: Config, version: int, step: int, outcome: list[Sc
 
 
 class SharedEvaluation:
-    """``eval.mode: shared`` inside a rollout worker; inert (admission always open) on any other worker."""
+    """``eval.mode: shared``: the hook (``producers.worker.EngineHook``) that evaluates due versions on the
+    rollout engine of worker ``eval.shared_worker``; new submissions wait while it runs."""
 
-    def __init__(self, cfg: Config, worker_id: str, producer: RecordProducer, tokenizer: PreTrainedTokenizerBase):
-        self.cfg, self.producer = cfg, producer
-        self.enabled = cfg.eval.mode == "shared" and worker_id == cfg.eval.shared_worker
+    def __init__(self, cfg: Config, worker_id: str, tokenizer: PreTrainedTokenizerBase):
+        self.cfg = cfg
+        self.producer = RecordProducer(cfg.broker, client_id=f"eval-shared-{worker_id}")
         self._open = asyncio.Event()
         self._open.set()
         self._applied = 0  # the newest version this engine applied (0: the initial weights it starts from)
-        self.heldout = HeldOut(cfg, tokenizer) if self.enabled else None
+        self.heldout = HeldOut(cfg, tokenizer)
         self.feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{worker_id}-eval-steps")
-                                .assign(partitions=[0]), keep=False) if self.enabled else None
+                                .assign(partitions=[0]), keep=False)
 
     async def admission(self) -> None:
         """Returns at once unless an evaluation runs; then when it is over."""
@@ -188,13 +188,12 @@ class SharedEvaluation:
     def evaluating(self) -> bool:
         return not self._open.is_set()
 
-    async def maybe_evaluate(self, engine: Engine, version: int, step: int) -> list[EvalResult]:
+    async def after_version(self, engine: Engine, version: int, step: int) -> list[EvalResult]:
         """Call after each applied version. An engine that follows only the newest version may jump over a
         multiple of ``eval.every_versions``: the first version it applies at or past one is evaluated."""
         previous, self._applied = self._applied, max(self._applied, version)
         every = self.cfg.eval.every_versions
-        if not self.enabled or version <= previous or not (version // every > previous // every
-                                                            or is_due(self.cfg, version, step)):
+        if version <= previous or not (version // every > previous // every or is_due(self.cfg, version, step)):
             return []
         self._open.clear()
         try:
@@ -204,8 +203,15 @@ class SharedEvaluation:
         return await publish_outcome(self.cfg, version, step, outcome, self.feed, self.producer)
 
     def close(self) -> None:
-        if self.feed is not None:
-            self.feed.close()
+        self.feed.close()
+        self.producer.flush()
+
+
+def shared_evaluation(cfg: Config, worker_id: str) -> SharedEvaluation | None:
+    """The rollout worker's engine hook: a SharedEvaluation on worker ``eval.shared_worker`` in shared mode."""
+    if cfg.eval.mode != "shared" or worker_id != cfg.eval.shared_worker:
+        return None
+    return SharedEvaluation(cfg, worker_id, load_tokenizer(cfg.model))
 
 
 class EvaluationLoop:
@@ -218,7 +224,7 @@ class EvaluationLoop:
         consumer = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{cfg.broker.topic_prefix}eval-{cfg.eval.mode}",
                                   deadletter=self.producer)
         # assigned, not subscribed: a lone reader needs no group join (seconds on tansu), only its committed offset
-        self.feed = VersionFeed(consumer.assign(committed_offsets(consumer, [0]), partitions=[0]))
+        self.feed = VersionFeed(consumer.assign(consumer.committed([0]), partitions=[0]))
         self.pending: deque[tuple[WeightVersion, int]] = deque()
         # (version, checksums): a step the trainer redid after a crash is evaluated again only if it differs
         self.queued: set[tuple[int, int]] = set()
@@ -247,12 +253,6 @@ class EvaluationLoop:
             await self.evaluation.close()
             self.producer.flush()
             self.feed.close()
-
-
-def committed_offsets(consumer: RecordConsumer, partitions: list[int]) -> dict[int, int]:
-    """The group's committed next offsets of ``partitions`` (a partition never committed: absent)."""
-    wanted = [TopicPartition(consumer.topic, p) for p in partitions]
-    return {tp.partition: tp.offset for tp in consumer.consumer.committed(wanted, timeout=10) if tp.offset >= 0}
 
 
 class EngineEvaluation:

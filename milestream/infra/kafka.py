@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Generic, Iterable, Sequence, TypeVar
+from typing import Callable, Generic, Iterable, Sequence, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import (OFFSET_BEGINNING, Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException,
+                             Producer, TopicPartition)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from milestream.config import BrokerConfig
@@ -21,7 +22,7 @@ from milestream.schemas.records import DeadLetter, Record
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
 
-# tansu's group joins take session.timeout/2; these keep joins near 3 s (see NOTES.md).
+# tansu's group joins take session.timeout/2; these keep joins near 3 s.
 GROUP_TIMEOUTS = {"session.timeout.ms": "6000", "heartbeat.interval.ms": "1000"}
 
 
@@ -48,6 +49,16 @@ def new_topics(cfg: BrokerConfig, specs: Iterable[topics.TopicSpec] = topics.CAT
     ]
 
 
+def broker_answers(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
+    """Whether a broker answers a metadata request (an open port alone is not a ready broker)."""
+    try:
+        # the embedded broker: plaintext on loopback, whatever the run's client settings say
+        AdminClient(client_config(BrokerConfig(bootstrap_servers=bootstrap_servers))).list_topics(timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no answer yet
+        return False
+
+
 class Admin:
     def __init__(self, cfg: BrokerConfig):
         self.cfg = cfg
@@ -57,14 +68,7 @@ class Admin:
         """Create the missing topics; returns the names created."""
         existing = set(self.list_topics())
         new = [topic for topic in new_topics(self.cfg, specs) if topic.topic not in existing]
-        if not new:
-            return []
-        for name, future in self.client.create_topics(new, operation_timeout=30).items():
-            try:
-                future.result()
-            except KafkaException as exc:
-                if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                    raise
+        create_new(self.client, new)
         return [t.topic for t in new]
 
     def list_topics(self) -> dict[str, int]:
@@ -183,27 +187,122 @@ class RecordConsumer(Generic[R]):
     def commit(self, offsets: dict[int, int]) -> None:
         self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()], asynchronous=False)
 
+    def committed(self, partitions: Iterable[int]) -> dict[int, int]:
+        """The group's committed next offsets of ``partitions`` (a partition never committed: absent)."""
+        wanted = [TopicPartition(self.topic, p) for p in partitions]
+        return {tp.partition: tp.offset for tp in self.consumer.committed(wanted, timeout=10) if tp.offset >= 0}
+
     def close(self) -> None:
         self.consumer.close()
 
 
-class OffsetTracker:
-    """Offsets safe to commit: per partition, below the lowest offset still in progress.
+# ---- raw messages: the archive and restore -------------------------------------------------------
+# The archive keeps, and restore puts back, messages byte for byte: nothing decoded, every header, the
+# broker's timestamp and its type, the partition and the offset.
 
-    Work items may finish out of order; committing only below the oldest unfinished one means a
-    restart re-reads (never skips) what was in progress.
+@dataclass(frozen=True)
+class RawMessage:
+    topic: str  # the full name, prefix included
+    partition: int
+    offset: int
+    timestamp_ms: int
+    timestamp_type: int
+    key: bytes | None
+    headers: list[tuple[str, bytes | None]] | None  # None and [] differ on the wire
+    value: bytes | None
+
+
+class RawConsumer:
+    """Reads assigned partitions as they are, without decoding; commits nothing (its caller keeps positions)."""
+
+    def __init__(self, cfg: BrokerConfig, group_id: str, **extra: str):
+        self.consumer = Consumer(client_config(cfg, **{
+            "group.id": group_id, "enable.auto.commit": "false", "fetch.message.max.bytes": str(cfg.max_message_bytes),
+            "fetch.wait.max.ms": str(cfg.fetch_wait_ms), **extra}))
+
+    def assign(self, starts: dict[tuple[str, int], int | None]) -> "RawConsumer":
+        """Read each (full topic, partition) from its next offset (the beginning where it is None)."""
+        self.consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING if start is None else start)
+                              for (topic, partition), start in starts.items()])
+        return self
+
+    def consume(self, timeout: float, limit: int = 1000) -> list[RawMessage]:
+        out = []
+        for msg in self.consumer.consume(num_messages=limit, timeout=timeout):
+            if msg.error():
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    log.warning("raw consumer: %s", msg.error())
+                continue
+            ts_type, ts = msg.timestamp()
+            out.append(RawMessage(msg.topic(), msg.partition(), msg.offset(), ts, ts_type, msg.key(), msg.headers(),
+                                  msg.value()))
+        return out
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def produce_raw(producer: RecordProducer, topic: str, message: RawMessage,
+                on_delivery: Callable[[KafkaError | None, int], None]) -> None:
+    """``message`` into the same partition of ``topic``: same key, headers, value and (when set) timestamp.
+
+    ``on_delivery`` gets the delivery error (None when delivered) and the offset it landed at.
     """
+    extra = {"timestamp": message.timestamp_ms} if message.timestamp_ms and message.timestamp_ms > 0 else {}
+    while True:
+        try:
+            producer.producer.produce(topic, value=message.value, key=message.key, partition=message.partition,
+                                      headers=message.headers, **extra,
+                                      on_delivery=lambda err, msg: on_delivery(err, msg.offset()))
+            break
+        except BufferError:  # local queue full: let deliveries drain
+            producer.producer.poll(0.05)
+    producer.producer.poll(0)
 
-    def __init__(self) -> None:
-        self._open: dict[int, set[int]] = {}
-        self._next: dict[int, int] = {}  # per partition: one past the highest offset started
 
-    def started(self, partition: int, offset: int) -> None:
-        self._open.setdefault(partition, set()).add(offset)
-        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
+def commit_offsets(cfg: BrokerConfig, group_id: str, offsets: dict[tuple[str, int], int]) -> None:
+    """Commit a consumer group's next offsets per (full topic, partition), as one of its members would."""
+    consumer = Consumer(client_config(cfg, **{"group.id": group_id, "enable.auto.commit": "false"}))
+    try:
+        consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=False)
+    finally:
+        consumer.close()
 
-    def done(self, partition: int, offset: int) -> None:
-        self._open[partition].discard(offset)
 
-    def committable(self) -> dict[int, int]:
-        return {p: min(self._open[p]) if self._open.get(p) else nxt for p, nxt in self._next.items()}
+def end_offset(reader: RecordConsumer, partition: int) -> int:
+    """The broker's end offset (high watermark) of one of ``reader``'s partitions; 0 when it has none."""
+    _, high = reader.consumer.get_watermark_offsets(TopicPartition(reader.topic, partition), timeout=10)
+    return max(high, 0)
+
+
+def create_new(client: AdminClient, new: list[NewTopic]) -> None:
+    """Create ``new``; one that another client created meanwhile is no error."""
+    for future in (client.create_topics(new, operation_timeout=30).values() if new else ()):
+        try:
+            future.result()
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+
+
+class LogAdmin(Admin):
+    """What the archive and restore ask of the broker beyond the catalogue: exact topic shapes, group offsets."""
+
+    def create_shaped(self, shapes: dict[str, tuple[int, int]]) -> None:
+        """Create the missing topics of ``shapes`` (full name -> partitions, max.message.bytes)."""
+        existing = self.list_topics()
+        new = [NewTopic(name, num_partitions=partitions, replication_factor=-1,
+                        config={"max.message.bytes": str(max_bytes)})
+               for name, (partitions, max_bytes) in shapes.items() if name not in existing]
+        create_new(self.client, new)
+
+    def consumer_groups(self, prefix: str) -> list[str]:
+        listed = self.client.list_consumer_groups(request_timeout=5).result()
+        return [g.group_id for g in listed.valid if g.group_id.startswith(prefix)]
+
+    def committed(self, group_id: str) -> dict[tuple[str, int], int]:
+        """A consumer group's committed next offsets per (full topic, partition)."""
+        future = self.client.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group_id)],
+                                                         request_timeout=5)[group_id]
+        return {(tp.topic, tp.partition): tp.offset for tp in future.result().topic_partitions or []
+                if tp.offset >= 0 and tp.error is None}

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from confluent_kafka.admin import AdminClient
-
 from milestream.config import Config
+from milestream.infra.kafka import broker_answers
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +116,7 @@ class EmbeddedBroker(_Service):
                 "--storage-engine", "memory://tansu/"]
 
     def ready(self) -> bool:
-        if not _port_open(self.port):
-            return False
-        try:  # a metadata answer, not just an open port
-            AdminClient({"bootstrap.servers": self.bootstrap_servers}).list_topics(timeout=1)
-            return True
-        except Exception:  # noqa: BLE001 - any failure means not ready yet
-            return False
+        return _port_open(self.port) and broker_answers(self.bootstrap_servers)
 
 
 class EmbeddedRedis(_Service):

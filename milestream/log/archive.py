@@ -38,17 +38,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from milestream.config import Config
-from milestream.infra.kafka import Admin, client_config, topic_name
+from milestream.infra.kafka import LogAdmin, RawConsumer, RawMessage, topic_name
 from milestream.schemas import topics
-from milestream.schemas.codec import SCHEMA_HEADER, Position, decode
+from milestream.schemas.codec import SCHEMA_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +121,24 @@ def segment_paths(run_dir: str | Path, topic: str) -> list[Path]:
     return sorted(folder.glob(f"*{SEGMENT_SUFFIX}")) if folder.exists() else []
 
 
-def read_topic(run_dir: str | Path, topic: str) -> pa.Table:
-    """Every archived row of one topic (catalogue name), in partition and offset order."""
-    tables = [pq.read_table(path, schema=ROW_SCHEMA) for path in segment_paths(run_dir, topic)]
+def read_topic(run_dir: str | Path, topic: str, columns: Sequence[str]) -> pa.Table:
+    """``columns`` of every archived row of one topic (catalogue name), in partition and offset order."""
+    schema = pa.schema([ROW_SCHEMA.field(name) for name in columns])
+    tables = [pq.read_table(path, columns=list(columns), schema=ROW_SCHEMA).select(list(columns))
+              for path in segment_paths(run_dir, topic)]
     if not tables:
-        return ROW_SCHEMA.empty_table()
+        return schema.empty_table()
     return pa.concat_tables(tables).sort_by([("partition", "ascending"), ("offset", "ascending")])
+
+
+def archived_raw(run_dir: str | Path, topic: str) -> Iterator[RawMessage]:
+    """Every archived message of one topic as it was on the broker, segment by segment (in time order;
+    each segment's rows in partition and offset order)."""
+    for path in segment_paths(run_dir, topic):
+        for row in pq.read_table(path, schema=ROW_SCHEMA).to_pylist():
+            headers = None if row["headers"] is None else [(h["key"], h["value"]) for h in row["headers"]]
+            yield RawMessage(row["topic"], row["partition"], row["offset"], row["timestamp_ms"],
+                             row["timestamp_type"], row["key"], headers, row["value"])
 
 
 def recover(run_dir: str | Path, state: ArchiveState) -> ArchiveState:
@@ -150,14 +160,12 @@ def recover(run_dir: str | Path, state: ArchiveState) -> ArchiveState:
     return state
 
 
-def _row(msg: Message) -> dict[str, Any]:
-    headers = msg.headers()
-    schema_id = next((v.decode(errors="replace") for k, v in headers or () if k == SCHEMA_HEADER and v), None)
-    ts_type, ts = msg.timestamp()
-    return {"topic": msg.topic(), "partition": msg.partition(), "offset": msg.offset(), "timestamp_ms": ts,
-            "timestamp_type": ts_type, "key": msg.key(), "schema_id": schema_id,
-            "headers": None if headers is None else [{"key": k, "value": v} for k, v in headers],
-            "value": msg.value()}
+def _row(msg: RawMessage) -> dict[str, Any]:
+    schema_id = next((v.decode(errors="replace") for k, v in msg.headers or () if k == SCHEMA_HEADER and v), None)
+    return {"topic": msg.topic, "partition": msg.partition, "offset": msg.offset, "timestamp_ms": msg.timestamp_ms,
+            "timestamp_type": msg.timestamp_type, "key": msg.key, "schema_id": schema_id,
+            "headers": None if msg.headers is None else [{"key": k, "value": v} for k, v in msg.headers],
+            "value": msg.value}
 
 
 class Archiver:
@@ -175,30 +183,26 @@ class Archiver:
         self.buffered_bytes = 0
         self.oldest: float | None = None  # when the oldest unflushed row was read
         self.archived = 0
-        self.consumer: Consumer | None = None
-        self.admin = AdminClient(client_config(cfg.broker))
+        self.consumer: RawConsumer | None = None
+        self.admin = LogAdmin(cfg.broker)
 
     def open(self) -> "Archiver":
         """Load (and repair) the state, record the topics' shape, and assign every partition."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.state = recover(self.run_dir, ArchiveState.load(self.run_dir))
-        Admin(self.cfg.broker).create_topics()  # idempotent; the archiver may start before the stages
-        partitions = Admin(self.cfg.broker).list_topics()
+        self.admin.create_topics()  # idempotent; the archiver may start before the stages
+        partitions = self.admin.list_topics()
         manifest = {"topic_prefix": self.cfg.broker.topic_prefix, "topics": {
             spec.name: {"partitions": partitions[topic_name(self.cfg.broker, spec)],
                         "max_message_bytes": spec.max_message_mb * 1024 * 1024} for spec in topics.CATALOGUE}}
         write_atomically(self.root / "manifest.json", json.dumps(manifest, indent=1).encode())
         # never commits (the state file is the position); "error" so an empty, restarted broker is
         # never silently read from another offset than the one recorded
-        self.consumer = Consumer(client_config(self.cfg.broker, **{
-            "group.id": f"{self.cfg.broker.topic_prefix}archive", "enable.auto.commit": "false",
-            "auto.offset.reset": "error", "fetch.message.max.bytes": str(self.cfg.broker.max_message_bytes),
-            "fetch.wait.max.ms": str(self.cfg.broker.fetch_wait_ms)}))
-        assignment = []
-        for full, name in self.names.items():
-            for partition in range(manifest["topics"][name]["partitions"]):
-                start = self.state.offsets.get(name, {}).get(partition, OFFSET_BEGINNING)
-                assignment.append(TopicPartition(full, partition, start))
+        self.consumer = RawConsumer(self.cfg.broker, f"{self.cfg.broker.topic_prefix}archive",
+                                    **{"auto.offset.reset": "error"})
+        assignment = {(full, partition): self.state.offsets.get(name, {}).get(partition)
+                      for full, name in self.names.items()
+                      for partition in range(manifest["topics"][name]["partitions"])}
         self.consumer.assign(assignment)
         log.info("archiving %d partitions of %d topics into %s", len(assignment), len(self.names), self.root)
         return self
@@ -207,20 +211,16 @@ class Archiver:
         """Buffer what arrives within ``timeout``; returns the number of new rows."""
         assert self.consumer is not None, "open() first"
         new = 0
-        for msg in self.consumer.consume(num_messages=1000, timeout=timeout):
-            if msg.error():
-                if msg.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("archive: %s", msg.error())
-                continue
-            name = self.names[msg.topic()]
-            expected = self.state.offsets.get(name, {}).get(msg.partition(), 0)
-            if msg.offset() < expected:
+        for msg in self.consumer.consume(timeout):
+            name = self.names[msg.topic]
+            expected = self.state.offsets.get(name, {}).get(msg.partition, 0)
+            if msg.offset < expected:
                 continue  # already archived (a re-fetch after a reconnect)
-            if msg.offset() > expected and expected > 0:
-                log.warning("archive: %s[%d] jumps from offset %d to %d", name, msg.partition(), expected, msg.offset())
+            if msg.offset > expected and expected > 0:
+                log.warning("archive: %s[%d] jumps from offset %d to %d", name, msg.partition, expected, msg.offset)
             self.buffers.setdefault(name, []).append(_row(msg))
-            self.state.offsets.setdefault(name, {})[msg.partition()] = msg.offset() + 1
-            self.buffered_bytes += len(msg.value() or b"") + len(msg.key() or b"")
+            self.state.offsets.setdefault(name, {})[msg.partition] = msg.offset + 1
+            self.buffered_bytes += len(msg.value or b"") + len(msg.key or b"")
             self.oldest = self.oldest or time.monotonic()
             new += 1
         return new
@@ -259,22 +259,17 @@ class Archiver:
         """
         prefix = self.cfg.broker.topic_prefix
         try:
-            listed = self.admin.list_consumer_groups(request_timeout=5).result()
-            ids = [g.group_id for g in listed.valid if g.group_id.startswith(prefix)
-                   and g.group_id != f"{prefix}archive"]
+            ids = [g for g in self.admin.consumer_groups(prefix) if g != f"{prefix}archive"]
             self.state.groups = {**self.state.groups, **{g: o for g in ids if (o := self._committed(g))}}
             self.state.groups_at = time.time()
         except Exception as exc:  # noqa: BLE001 - a missed snapshot is retried at the next flush
             log.warning("archive: could not snapshot consumer groups: %s", exc)
 
     def _committed(self, group: str) -> dict[str, dict[int, int]]:
-        from confluent_kafka import ConsumerGroupTopicPartitions
-
-        future = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)], request_timeout=5)[group]
         out: dict[str, dict[int, int]] = {}
-        for tp in future.result().topic_partitions or []:
-            if tp.topic in self.names and tp.offset >= 0 and tp.error is None:
-                out.setdefault(self.names[tp.topic], {})[tp.partition] = tp.offset
+        for (topic, partition), offset in self.admin.committed(group).items():
+            if topic in self.names:
+                out.setdefault(self.names[topic], {})[partition] = offset
         return out
 
     def run(self, stop: threading.Event, max_drain_s: float = 60.0) -> int:
@@ -298,29 +293,6 @@ class Archiver:
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None
-
-
-def archived_positions(run_dir: str | Path) -> dict[str, dict[int, int]]:
-    """Per topic-partition, the offset below which every record is safely on disk.
-
-    A stage that wants crash-consistency with the archive can wait for this to pass the offsets it
-    produced before it treats them as durable (e.g. before committing or settling).
-    """
-    return recover(run_dir, ArchiveState.load(run_dir)).offsets if archive_dir(run_dir).exists() else {}
-
-
-def iter_rows(run_dir: str | Path, topic: str) -> Iterator[dict[str, Any]]:
-    """Archived rows of one topic (catalogue name) as dicts, in partition and offset order."""
-    table = read_topic(run_dir, topic)
-    for batch in table.to_batches(max_chunksize=1024):
-        yield from batch.to_pylist()
-
-
-def archived_messages(run_dir: str | Path, spec: topics.TopicSpec) -> Iterator[tuple[int, int, list[Any]]]:
-    """(partition, offset, its decoded records) of every archived message of ``spec``, in order."""
-    for row in iter_rows(run_dir, spec.name):
-        yield row["partition"], row["offset"], decode(row["value"], spec.record,
-                                                      Position(spec.name, row["partition"], row["offset"]))
 
 
 def run_archiver(cfg: Config, stop: threading.Event, **options: Any) -> int:

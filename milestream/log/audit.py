@@ -1,11 +1,9 @@
 """Exactly-once audit of a finished run, from its archived log and its last trainer checkpoint.
 
-The trainer publishes a step's record before it checkpoints the step. A trainer killed in between
-redoes the step after resuming from the checkpoint before it, and publishes it again; the metrics
-topic has one partition, so the later record of a step is the one the surviving model was trained
-on: the run's *lineage*. Against the lineage, every group that reached ``buffer.groups`` is exactly
-one of: trained (once), dropped with a reason, or still waiting in the buffer when the run stopped
-(not yet seen by the trainer's last checkpoint, at or past its offset). Anything else was lost.
+Against the trainer's lineage (``log/lineage.py``), every group that reached ``buffer.groups`` is
+exactly one of: trained (once), dropped with a reason, or still waiting in the buffer when the run
+stopped (not yet seen by the trainer's last checkpoint, at or past its offset). Anything else was
+lost; a group both trained and dropped, or trained twice, is a failure too.
 """
 from __future__ import annotations
 
@@ -13,10 +11,10 @@ import collections
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from milestream.train import checkpoint
-from milestream.log.archive import archived_messages
+from milestream.log.lineage import BUFFERED, DROPPED, LOST, Lineage, lineage_of
+from milestream.log.reader import read_archive, read_archive_fields
 from milestream.schemas import topics
-from milestream.schemas.records import Metrics
+from milestream.train import checkpoint
 
 
 @dataclass(frozen=True)
@@ -29,48 +27,33 @@ class Audit:
     groups_buffered: int  # waiting for the trainer when the run stopped
     groups_lost: list[str] = field(default_factory=list)
     groups_duplicated: list[str] = field(default_factory=list)  # trained more than once in the lineage
+    groups_trained_and_dropped: list[str] = field(default_factory=list)
     missing_steps: list[int] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
-        return not (self.groups_lost or self.groups_duplicated or self.missing_steps)
+        return not (self.groups_lost or self.groups_duplicated or self.groups_trained_and_dropped
+                    or self.missing_steps)
 
 
-def _records(run_dir: Path, spec: topics.TopicSpec):
-    for partition, offset, records in archived_messages(run_dir, spec):
-        for record in records:
-            yield partition, offset, record
-
-
-def lineage(run_dir: str | Path) -> tuple[dict[int, Metrics], int]:
-    """The trainer's record of each step that the surviving model went through, and all step records."""
-    steps: dict[int, Metrics] = {}
-    records = 0
-    for _, _, record in _records(Path(run_dir), topics.METRICS):
-        if record.source == "trainer":
-            steps[record.step] = record  # offset order: a redone step's later record wins
-            records += 1
-    return steps, records
+def archived_lineage(run_dir: str | Path) -> Lineage:
+    """The lineage of an archived run (of buffer.groups only the group ids are read)."""
+    lineage = lineage_of(m for spec in (topics.METRICS, topics.DROPPED) for m in read_archive(run_dir, spec))
+    for message in read_archive_fields(run_dir, topics.GROUPS, ["group_id"]):
+        for record in message.records:
+            lineage.observe_emission(record["group_id"], message.position)
+    return lineage
 
 
 def audit_run(run_dir: str | Path) -> Audit:
-    run_dir = Path(run_dir)
-    steps, records = lineage(run_dir)
-    trained = collections.Counter(g for record in steps.values() for g in record.group_ids)
-    dropped = {record.group_id for *_, record in _records(run_dir, topics.DROPPED)} - trained.keys()
+    lineage = archived_lineage(run_dir)
     payload = checkpoint.load_latest(run_dir)
-    state = checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState()
-    emitted: dict[str, tuple[int, int]] = {}
-    for partition, offset, sample in _records(run_dir, topics.GROUPS):
-        emitted.setdefault(sample.group_id, (partition, offset))  # a re-emission is the same group
-    buffered = {g for g, (partition, offset) in emitted.items()
-                if g not in state.seen_groups and offset >= state.offsets.get(partition, 0)}
-    accounted = trained.keys() | dropped | buffered
-    final = max(steps, default=0)
+    fates = lineage.fates(checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState())
+    outcomes = collections.Counter(fates[g].outcome for g in lineage.emitted)
     return Audit(
-        steps=len(steps), step_records=records, groups_emitted=len(emitted), groups_trained=len(trained),
-        groups_dropped=len(dropped & emitted.keys()), groups_buffered=len(buffered - trained.keys() - dropped),
-        groups_lost=sorted(emitted.keys() - accounted),
-        groups_duplicated=sorted(g for g, n in trained.items() if n > 1),
-        missing_steps=[s for s in range(1, final + 1) if s not in steps],
+        steps=len(lineage.steps), step_records=lineage.step_records, groups_emitted=len(lineage.emitted),
+        groups_trained=len(lineage.training()), groups_dropped=outcomes[DROPPED], groups_buffered=outcomes[BUFFERED],
+        groups_lost=sorted(g for g in lineage.emitted if fates[g].outcome == LOST),
+        groups_duplicated=lineage.trained_twice(), groups_trained_and_dropped=lineage.trained_and_dropped(),
+        missing_steps=lineage.missing_steps(),
     )

@@ -1,54 +1,116 @@
-"""Where an offline reader gets a run's log: the on-disk archive, or the topics of a live broker.
+"""The one reader of a run's log, from the on-disk archive or from the topics of a live broker.
 
-Both give the same thing, a topic's messages in partition and offset order with their decoded
-records and the broker timestamp, so selection, export and the offline re-drives never care which.
-A value that does not decode raises ``RecordError`` naming topic, partition, offset and field.
+Both give the same thing, ``LoggedMessage``: a topic's messages in partition and offset order, each
+with its key, broker timestamp and decoded records, so the audit, restore, selection, export, the
+metrics feed and the offline re-drives never care which. A value that does not decode is handed to
+the reader's ``OnBadRecord`` policy: ``raise_bad_record`` (the default) raises the ``RecordError``
+naming topic, partition, offset and field; ``SkipBadRecords`` logs it, skips it and counts it.
+A reader of big topics that needs a few fields only asks for them (``read_archive_fields``): the values
+are checked against their schema as always, but only those columns become Python objects.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-from confluent_kafka import TopicPartition
+from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
 from milestream.config import Config
-from milestream.log.archive import iter_rows
-from milestream.infra.kafka import Admin, RecordConsumer
+from milestream.infra.kafka import Admin, RecordConsumer, end_offset
+from milestream.log.archive import read_topic
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, decode
+from milestream.schemas.codec import Position, RecordError, decode, decode_table
 from milestream.schemas.records import Record
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Fields = dict[str, Any]  # some fields of one record, by name
 
 
 @dataclass(frozen=True)
-class LoggedMessage:
-    """One message of a topic: where it lies, when the broker stamped it, and its records."""
+class LoggedMessage(Generic[T]):
+    """One message of a topic: where it lies, when the broker stamped it, its key and its records."""
 
     topic: str  # catalogue name (no prefix)
     partition: int
     offset: int
     timestamp_ms: int
-    records: list[Record]
+    key: bytes | None
+    records: list[T]
+
+    @property
+    def position(self) -> Position:
+        return Position(self.topic, self.partition, self.offset)
+
+
+class OnBadRecord(Protocol):
+    def __call__(self, error: RecordError) -> None:
+        """Raise ``error``, or return to have the reader skip the record."""
+
+
+def raise_bad_record(error: RecordError) -> None:
+    raise error
+
+
+@dataclass
+class SkipBadRecords:
+    """Skip a record that does not decode, after logging where it lies and why; ``skipped`` counts them.
+
+    For observers of the loop: they must not stop on a record the processor has already dead-lettered.
+    """
+
+    skipped: int = 0
+
+    def __call__(self, error: RecordError) -> None:
+        log.error("skipping a record that does not decode: %s", error)
+        self.skipped += 1
+
+
+def _read_archive(run_dir: str | Path, spec: topics.TopicSpec, on_bad: OnBadRecord,
+              convert: Callable[[bytes | None, Position], list[T]]) -> Iterator[LoggedMessage[T]]:
+    table = read_topic(run_dir, spec.name, ("partition", "offset", "timestamp_ms", "key", "value"))
+    for batch in table.to_batches(max_chunksize=1024):
+        for row in batch.to_pylist():
+            position = Position(spec.name, row["partition"], row["offset"])
+            try:
+                records = convert(row["value"], position)
+            except RecordError as exc:
+                on_bad(exc)
+                continue
+            yield LoggedMessage(spec.name, row["partition"], row["offset"], row["timestamp_ms"], row["key"], records)
+
+
+def read_archive(run_dir: str | Path, spec: topics.TopicSpec,
+             on_bad: OnBadRecord = raise_bad_record) -> Iterator[LoggedMessage[Record]]:
+    """Every archived message of ``spec`` (RUN_DIR/archive, ``log/archive.py``), in partition and offset order."""
+    return _read_archive(run_dir, spec, on_bad, lambda value, position: decode(value, spec.record, position))
+
+
+def read_archive_fields(run_dir: str | Path, spec: topics.TopicSpec, fields: Sequence[str],
+                    on_bad: OnBadRecord = raise_bad_record) -> Iterator[LoggedMessage[Fields]]:
+    """As ``read_archive``, with only ``fields`` of each record: cheap on big topics (no token lists built)."""
+    def convert(value: bytes | None, position: Position) -> list[Fields]:
+        return decode_table(value, spec.record, position).select(list(fields)).to_pylist()
+
+    return _read_archive(run_dir, spec, on_bad, convert)
 
 
 class LogSource(Protocol):
-    def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage]:
+    def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
         """Every message of ``spec``, in partition and offset order."""
 
 
 class ArchiveSource:
-    """The Parquet segments under RUN_DIR/archive (``log/archive.py``)."""
+    """The Parquet segments under RUN_DIR/archive, each topic read once."""
 
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: str | Path, on_bad: OnBadRecord = raise_bad_record):
+        self.run_dir, self.on_bad = Path(run_dir), on_bad
 
     @functools.cache
-    def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage]:
-        return [LoggedMessage(spec.name, row["partition"], row["offset"], row["timestamp_ms"],
-                              decode(row["value"], spec.record, Position(spec.name, row["partition"], row["offset"])))
-                for row in iter_rows(self.run_dir, spec.name)]
+    def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
+        return list(read_archive(self.run_dir, spec, self.on_bad))
 
 
 class BrokerSource:
@@ -59,38 +121,40 @@ class BrokerSource:
     quiet for ``idle_s``: a run still writing may have more by the time the reader stops.
     """
 
-    def __init__(self, cfg: Config, idle_s: float = 1.0, max_wait_s: float = 120.0):
-        self.cfg, self.idle_s, self.max_wait_s = cfg, idle_s, max_wait_s
+    def __init__(self, cfg: Config, idle_s: float = 1.0, max_wait_s: float = 120.0,
+                 on_bad: OnBadRecord = raise_bad_record):
+        self.cfg, self.idle_s, self.max_wait_s, self.on_bad = cfg, idle_s, max_wait_s, on_bad
 
     @functools.cache
-    def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage]:
+    def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
         partitions = Admin(self.cfg.broker).partitions(spec)
         reader: RecordConsumer = RecordConsumer(self.cfg.broker, spec, f"{self.cfg.broker.topic_prefix}replay-{time.time()}")
         try:
             reader.assign(partitions=partitions)
-            return self._read(reader, spec, {p: _end_offset(reader, p) for p in partitions})
+            return self._read(reader, spec, {p: end_offset(reader, p) for p in partitions})
         finally:
             reader.close()
 
-    def _read(self, reader: RecordConsumer, spec: topics.TopicSpec, ends: dict[int, int]) -> list[LoggedMessage]:
-        out: list[LoggedMessage] = []
+    def _read(self, reader: RecordConsumer, spec: topics.TopicSpec,
+              ends: dict[int, int]) -> list[LoggedMessage[Record]]:
+        out: list[LoggedMessage[Record]] = []
         reached = dict.fromkeys(ends, 0)
         deadline = time.monotonic() + self.max_wait_s
         while True:
             behind = {p: (reached[p], end) for p, end in ends.items() if reached[p] < end}
-            delivery = reader.poll(0.5 if behind else self.idle_s)
+            try:
+                delivery = reader.poll(0.5 if behind else self.idle_s)
+            except RecordError as exc:  # read all the same: it counts towards its partition's end
+                self.on_bad(exc)
+                reached[exc.position.partition] = max(reached[exc.position.partition], exc.position.offset + 1)
+                continue
             if delivery is not None:
                 position = delivery.position
                 out.append(LoggedMessage(spec.name, position.partition, position.offset, round(delivery.ts * 1000),
-                                         delivery.records))
+                                         delivery.key, delivery.records))
                 reached[position.partition] = max(reached[position.partition], position.offset + 1)
             elif not behind:
                 return sorted(out, key=lambda m: (m.partition, m.offset))
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"{spec.name}: partitions (read up to, end offset) {behind} not read to their "
                                    f"end offsets within {self.max_wait_s:.0f} s")
-
-
-def _end_offset(reader: RecordConsumer, partition: int) -> int:
-    _, high = reader.consumer.get_watermark_offsets(TopicPartition(reader.topic, partition), timeout=10)
-    return max(high, 0)

@@ -32,18 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
-
 from milestream.config import Config
-from milestream.log.archive import ROW_SCHEMA, ArchiveState, load_manifest, read_topic, segment_paths
-from milestream.infra.kafka import client_config
+from milestream.infra.kafka import LogAdmin, RecordProducer, commit_offsets, produce_raw
+from milestream.log.archive import ArchiveState, archived_raw, load_manifest, segment_paths
+from milestream.log.reader import read_archive, read_archive_fields
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, decode, decode_table
-from milestream.schemas.records import GroupSample, Prompt
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger, Reconciled
 
 log = logging.getLogger(__name__)
 
@@ -68,60 +62,38 @@ def target_config(cfg: Config, run_dir: str | Path, prefix: str | None = None) -
 
 def create_topics(cfg: Config, manifest: dict[str, Any]) -> None:
     """The archived topics with their archived partition counts (an existing one must match)."""
-    admin = AdminClient(client_config(cfg.broker))
-    existing = {n: len(t.partitions) for n, t in admin.list_topics(timeout=10).topics.items()}
-    new = []
-    for name, shape in manifest["topics"].items():
-        full = cfg.broker.topic_prefix + name
-        if full in existing and existing[full] != shape["partitions"]:
-            raise ReplayError(f"topic {full} has {existing[full]} partitions, the archive {shape['partitions']}")
-        if full not in existing:
-            new.append(NewTopic(full, num_partitions=shape["partitions"], replication_factor=-1,
-                                config={"max.message.bytes": str(shape["max_message_bytes"])}))
-    for future in (admin.create_topics(new, operation_timeout=30).values() if new else ()):
-        try:
-            future.result()
-        except KafkaException as exc:
-            if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                raise
+    admin = LogAdmin(cfg.broker)
+    existing = admin.list_topics()
+    shapes = {cfg.broker.topic_prefix + name: (shape["partitions"], shape["max_message_bytes"])
+              for name, shape in manifest["topics"].items()}
+    for full, (partitions, _) in shapes.items():
+        if full in existing and existing[full] != partitions:
+            raise ReplayError(f"topic {full} has {existing[full]} partitions, the archive {partitions}")
+    admin.create_shaped(shapes)
 
 
-def _check_delivery(report: Republished, topic: str, expected: int, err, msg) -> None:
+def _check_delivery(report: Republished, topic: str, partition: int, expected: int, err, landed: int) -> None:
     if err is not None:
-        report.mismatches.append(f"{topic}[{msg.partition()}]@{expected}: not delivered: {err}")
-    elif msg.offset() != expected:
-        report.mismatches.append(f"{topic}[{msg.partition()}]: archived offset {expected} landed at {msg.offset()}")
+        report.mismatches.append(f"{topic}[{partition}]@{expected}: not delivered: {err}")
+    elif landed != expected:
+        report.mismatches.append(f"{topic}[{partition}]: archived offset {expected} landed at {landed}")
 
 
-def _republish_topic(producer: Producer, cfg: Config, run_dir: Path, name: str, report: Republished) -> None:
+def _republish_topic(producer: RecordProducer, cfg: Config, run_dir: Path, name: str, report: Republished) -> None:
     """One topic, segment by segment (segments are in time order, rows in partition-offset order)."""
     full = cfg.broker.topic_prefix + name
     ends = report.ends.setdefault(name, {})
-    for path in segment_paths(run_dir, name):
-        for row in pq.read_table(path, schema=ROW_SCHEMA).to_pylist():
-            partition, offset = row["partition"], row["offset"]
-            expected = ends.get(partition, 0)
-            if offset < expected:
-                continue  # archived twice (cannot happen after recover(); harmless to skip)
-            if offset > expected:
-                raise ReplayError(f"archive of {name}[{partition}] has a gap: offset {offset} follows {expected - 1}; "
-                                  "republished offsets could not match the archived ones")
-            headers = None if row["headers"] is None else [(h["key"], h["value"]) for h in row["headers"]]
-            _produce(producer, full, row, headers, functools.partial(_check_delivery, report, name, offset))
-            ends[partition] = offset + 1
-            report.records[name] = report.records.get(name, 0) + 1
-
-
-def _produce(producer: Producer, topic: str, row: dict[str, Any], headers, on_delivery) -> None:
-    extra = {"timestamp": row["timestamp_ms"]} if row["timestamp_ms"] and row["timestamp_ms"] > 0 else {}
-    while True:
-        try:
-            producer.produce(topic, value=row["value"], key=row["key"], partition=row["partition"],
-                             headers=headers, on_delivery=on_delivery, **extra)
-            break
-        except BufferError:  # local queue full: let deliveries drain
-            producer.poll(0.05)
-    producer.poll(0)
+    for message in archived_raw(run_dir, name):
+        partition, offset = message.partition, message.offset
+        expected = ends.get(partition, 0)
+        if offset < expected:
+            continue  # archived twice (cannot happen after recover(); harmless to skip)
+        if offset > expected:
+            raise ReplayError(f"archive of {name}[{partition}] has a gap: offset {offset} follows {expected - 1}; "
+                              "republished offsets could not match the archived ones")
+        produce_raw(producer, full, message, functools.partial(_check_delivery, report, name, partition, offset))
+        ends[partition] = offset + 1
+        report.records[name] = report.records.get(name, 0) + 1
 
 
 def republish(cfg: Config, run_dir: str | Path, prefix: str | None = None, restore_groups: bool = True) -> Republished:
@@ -130,14 +102,14 @@ def republish(cfg: Config, run_dir: str | Path, prefix: str | None = None, resto
     manifest = load_manifest(run_dir)
     cfg = target_config(cfg, run_dir, prefix)
     create_topics(cfg, manifest)
-    producer = Producer(client_config(cfg.broker, **{
-        "client.id": "milestream-replay", "enable.idempotence": "true", "linger.ms": "5",
-        "message.max.bytes": str(cfg.broker.max_message_bytes), "compression.type": "none"}))
+    producer = RecordProducer(cfg.broker, client_id="milestream-replay")
     report = Republished()
     for name in manifest["topics"]:
         _republish_topic(producer, cfg, run_dir, name, report)
-    if producer.flush(120) > 0:
-        raise ReplayError(f"{len(producer)} records not delivered after 120 s")
+    try:
+        producer.flush(120)
+    except TimeoutError as exc:
+        raise ReplayError(str(exc)) from None
     if report.mismatches:
         raise ReplayError(f"{len(report.mismatches)} records did not land at their archived offsets (was the "
                           f"broker fresh?): {report.mismatches[:5]}")
@@ -160,20 +132,16 @@ def restore_group_offsets(cfg: Config, state: ArchiveState, ends: dict[str, dict
     for group, per_topic in state.groups.items():
         if archived_prefix and group.startswith(archived_prefix):
             group = cfg.broker.topic_prefix + group[len(archived_prefix):]
-        offsets = []
+        offsets = {}
         for name, parts in per_topic.items():
             for partition, offset in parts.items():
                 end = ends.get(name, {}).get(partition, 0)
                 if offset > end:
                     log.warning("group %s: %s[%d] committed %d, archive ends at %d; clamped", group, name,
                                 partition, offset, end)
-                offsets.append(TopicPartition(cfg.broker.topic_prefix + name, partition, min(offset, end)))
+                offsets[(cfg.broker.topic_prefix + name, partition)] = min(offset, end)
                 restored.setdefault(group, {}).setdefault(name, {})[partition] = min(offset, end)
-        consumer = Consumer(client_config(cfg.broker, **{"group.id": group, "enable.auto.commit": "false"}))
-        try:
-            consumer.commit(offsets=offsets, asynchronous=False)
-        finally:
-            consumer.close()
+        commit_offsets(cfg.broker, group, offsets)
     return restored
 
 
@@ -188,26 +156,17 @@ class Accounting:
     readmitted_settled: int  # prompts rollout will admit again although their group already left
 
 
-def _rows(run_dir: Path, spec: topics.TopicSpec, columns: list[str]) -> list[tuple[int, int, dict[str, Any]]]:
-    """(partition, offset, first record's ``columns``) of every archived record of ``spec``."""
-    out = []
-    for row in read_topic(run_dir, spec.name).to_pylist():
-        position = Position(spec.name, row["partition"], row["offset"])
-        table = decode_table(row["value"], spec.record, position)
-        out.append((row["partition"], row["offset"], {c: table.column(c)[0].as_py() for c in columns}))
-    return out
+def _rows(run_dir: Path, spec: topics.TopicSpec) -> list[tuple[int, int, dict[str, Any]]]:
+    """(partition, offset, {group_id}) of every archived record of ``spec`` (one group per record)."""
+    return [(m.partition, m.offset, m.records[0]) for m in read_archive_fields(run_dir, spec, ["group_id"])]
 
 
 def _group_rows(run_dir: Path) -> list[tuple[int, int, dict[str, Any]]]:
     """(partition, offset, {group_id, oldest_version}) of every archived buffer.groups record."""
     out = []
-    for row in read_topic(run_dir, topics.GROUPS.name).to_pylist():
-        position = Position(topics.GROUPS.name, row["partition"], row["offset"])
-        table = decode_table(row["value"], GroupSample, position)
-        versions = pc.list_flatten(table.column("token_versions"))
-        oldest = pc.min(versions).as_py() if len(versions) else None
-        out.append((row["partition"], row["offset"], {"group_id": table.column("group_id")[0].as_py(),
-                                                      "oldest_version": -1 if oldest is None else oldest}))
+    for m in read_archive_fields(run_dir, topics.GROUPS, ["group_id", "token_versions"]):
+        oldest = min((v for sample in m.records for v in sample["token_versions"]), default=-1)
+        out.append((m.partition, m.offset, {"group_id": m.records[0]["group_id"], "oldest_version": oldest}))
     return out
 
 
@@ -221,12 +180,12 @@ class ArchivedRun:
 
     @classmethod
     def read(cls, run_dir: Path, trainer_seen: set[str]) -> "ArchivedRun":
-        sources = {spec.name: _rows(run_dir, spec, ["group_id"])
+        sources = {spec.name: _rows(run_dir, spec)
                    for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)}
         emitted = _group_rows(run_dir)
         # the trainer saw what it took or dropped, though a crash may have lost its buffer.groups record
         left = {r["group_id"] for *_, r in emitted} | trainer_seen
-        left |= {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED, ["group_id"])}
+        left |= {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED)}
         return cls(sources, emitted, left)
 
     @property
@@ -251,9 +210,8 @@ def derive_accounting(cfg: Config, run_dir: str | Path, archived: ArchivedRun, r
     The feeder's admitted count is set so that published - admitted = the prompts rollout will read.
     """
     run_dir = Path(run_dir)
-    prompt_at = {prompt.group_id: (row["partition"], row["offset"])  # one group per prompt attempt
-                 for row in read_topic(run_dir, topics.PROMPTS.name).to_pylist()
-                 for prompt in decode(row["value"], Prompt, Position(topics.PROMPTS.name, row["partition"], row["offset"]))}
+    prompt_at = {prompt.group_id: (m.partition, m.offset)  # one group per prompt attempt
+                 for m in read_archive(run_dir, topics.PROMPTS) for prompt in m.records}
     entered, left = archived.entered, archived.left
     to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in archived.emitted
                   if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}
@@ -280,20 +238,12 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
     # the rollout workers' consumer group (milestream.producers.worker names it so)
     rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
     rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
-    credit = Credit(cfg)
+    ledger = BufferLedger(cfg)
     archived = ArchivedRun.read(Path(run_dir), state.seen_groups)
     unsettled = rewind_processor(cfg, archived, restored)
     accounting = derive_accounting(cfg, run_dir, archived, rollout_offsets, state.offsets, state.seen_groups,
-                                   credit.prompts_published())
-    with credit.client.pipeline(transaction=True) as tx:
-        tx.set(credit.key, accounting.credit)
-        tx.delete(credit.queued_key, credit.taken_early_key)
-        if accounting.queued:
-            tx.hset(credit.queued_key, mapping=accounting.queued)
-        tx.set(credit.admitted_key, accounting.prompts_admitted)
-        if unsettled:
-            tx.hdel(credit.group_states_key, *unsettled)
-        tx.execute()
+                                   ledger.prompts_published())
+    ledger.reconcile(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted, tuple(unsettled)))
     log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", accounting,
              len(unsettled))
     if accounting.credit < 0:
@@ -316,7 +266,7 @@ def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dic
 
     group = app_id(cfg)
     committed = restored.get(group, {})
-    rewound: list[TopicPartition] = []
+    rewound: dict[tuple[str, int], int] = {}
     entered: set[str] = set()
     for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING):
         oldest: dict[int, int] = {}
@@ -326,18 +276,13 @@ def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dic
                 oldest[partition] = min(offset, oldest.get(partition, offset))
         for partition, offset in oldest.items():
             if offset < committed.get(spec.name, {}).get(partition, 0):
-                rewound.append(TopicPartition(cfg.broker.topic_prefix + spec.name, partition, offset))
+                rewound[(cfg.broker.topic_prefix + spec.name, partition)] = offset
                 committed.setdefault(spec.name, {})[partition] = offset
     if rewound:
         log.warning("the processor's committed offsets move back to %s: groups without an archived outcome", rewound)
-        consumer = Consumer(client_config(cfg.broker, **{"group.id": group, "enable.auto.commit": "false"}))
-        try:
-            consumer.commit(offsets=rewound, asynchronous=False)
-        finally:
-            consumer.close()
-    credit = Credit(cfg)
-    states = credit.client.hkeys(credit.group_states_key)
-    return [g for g in (k.decode() for k in states) if g in entered and g not in archived.left]
+        commit_offsets(cfg.broker, group, rewound)
+    sent = BufferLedger(cfg).settled_or_sending()
+    return sorted(g for g in sent if g in entered and g not in archived.left)
 
 
 def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple[Republished, Accounting]:

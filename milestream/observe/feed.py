@@ -4,14 +4,14 @@ A metrics consumer is an ``Observer`` fed ``Observed`` records, one at a time, f
 
 - ``TopicFeed``: the live topics, every partition from the beginning (assigned, never committing, so
   any number of observers can come and go without touching the loop or each other);
-- ``archived``: the same topics from ``RUN_DIR/archive`` (log/archive.py), no broker needed.
+- ``archived``: the same topics from ``RUN_DIR/archive`` (read by log/reader.py), no broker needed.
 
-A value that does not decode is logged with its topic, partition, offset and field and skipped: an
-observer of the loop must not stop on a record the processor has already dead-lettered.
+A value that does not decode is logged with its topic, partition, offset and field, skipped and
+counted (``log.reader.SkipBadRecords``): an observer of the loop must not stop on a record the
+processor has already dead-lettered.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
 from milestream.config import Config
-from milestream.log.archive import iter_rows, load_manifest
 from milestream.infra.kafka import Admin, RecordConsumer, topic_name
+from milestream.log.archive import load_manifest
+from milestream.log.reader import OnBadRecord, SkipBadRecords, read_archive
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, RecordError, decode
+from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import Record
-
-log = logging.getLogger(__name__)
 
 # every figure of the loop lives on one of these: stage metrics, drops, weight versions, weight acks
 FEED_TOPICS: tuple[topics.TopicSpec, ...] = (
@@ -46,7 +45,9 @@ class Observer(Protocol):
 class TopicFeed:
     """The live topics, read from their beginning by one assigned consumer per topic."""
 
-    def __init__(self, cfg: Config, group_id: str, specs: Iterable[topics.TopicSpec] = FEED_TOPICS):
+    def __init__(self, cfg: Config, group_id: str, specs: Iterable[topics.TopicSpec] = FEED_TOPICS,
+                 on_bad: OnBadRecord | None = None):
+        self.on_bad = on_bad or SkipBadRecords()
         if not cfg.broker.bootstrap_servers:
             raise ValueError("no broker to read from: give --bootstrap-servers, or the --run-dir of a run "
                              "(its config.yaml names the broker)")
@@ -72,7 +73,7 @@ class TopicFeed:
                 try:
                     delivery = consumer.poll(wait)
                 except RecordError as exc:
-                    log.error("skipping a record that does not decode: %s", exc)
+                    self.on_bad(exc)
                     continue
                 if delivery is None:
                     break
@@ -96,18 +97,14 @@ class TopicFeed:
             consumer.close()
 
 
-def archived(run_dir: str | Path, specs: Iterable[topics.TopicSpec] = FEED_TOPICS) -> Iterator[Observed]:
+def archived(run_dir: str | Path, specs: Iterable[topics.TopicSpec] = FEED_TOPICS,
+             on_bad: OnBadRecord | None = None) -> Iterator[Observed]:
     """The archived records of ``specs``, topic by topic, each in partition and offset order."""
     load_manifest(run_dir)  # a clear error when the folder holds no archive
+    on_bad = on_bad or SkipBadRecords()
     for spec in specs:
-        for row in iter_rows(run_dir, spec.name):
-            position = Position(spec.name, row["partition"], row["offset"])
-            try:
-                records = decode(row["value"], spec.record, position)
-            except RecordError as exc:
-                log.error("skipping an archived record that does not decode: %s", exc)
-                continue
-            yield from (Observed(spec, position, record) for record in records)
+        for message in read_archive(run_dir, spec, on_bad):
+            yield from (Observed(spec, message.position, record) for record in message.records)
 
 
 def follow(feed: TopicFeed, observers: Iterable[Observer], stop: threading.Event, poll_s: float = 0.5) -> None:

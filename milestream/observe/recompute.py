@@ -1,7 +1,7 @@
 """``milestream replay --step N``: recompute a logged trainer step and compare it bit for bit.
 
 The batch of step N is rebuilt from the log: its record on ``buffer.metrics`` (the lineage's, see
-log/audit.py) names its groups in order, and ``buffer.groups`` holds them. The learner starts
+log/lineage.py) names its groups in order, and ``buffer.groups`` holds them. The learner starts
 from the newest checkpoint before step N, trains the logged batches of the steps in between, then
 takes step N and compares its loss and gradient norm with the logged ones. Arithmetic on one CPU
 thread is deterministic, so on the backend the run used (``local``) they match exactly.
@@ -20,8 +20,8 @@ import torch
 
 from milestream.config import Config
 from milestream.train import checkpoint
-from milestream.log.audit import lineage
-from milestream.log.archive import archived_messages
+from milestream.log.lineage import lineage_of
+from milestream.log.reader import read_archive
 from milestream.train.learner import CollectedGroup, Learner
 from milestream.infra.model import configure_process
 from milestream.schemas import topics
@@ -63,14 +63,14 @@ def checkpoint_before(run_dir: Path, step: int) -> tuple[int, dict]:
 
 def logged_groups(run_dir: Path, wanted: set[str]) -> dict[str, list[GroupSample]]:
     groups: dict[str, list[GroupSample]] = {}
-    for _, _, samples in archived_messages(run_dir, topics.GROUPS):
+    for samples in (m.records for m in read_archive(run_dir, topics.GROUPS)):
         if samples and samples[0].group_id in wanted:
             groups.setdefault(samples[0].group_id, samples)  # a re-emission carries the same group
     return groups
 
 
 def replay_step(cfg: Config, run_dir: str | Path, step: int) -> StepReplay:
-    steps, _ = lineage(run_dir)
+    steps = lineage_of(read_archive(run_dir, topics.METRICS)).steps
     return replay_steps(cfg, run_dir, steps, functools.partial(logged_groups, Path(run_dir)), step, step)[0]
 
 

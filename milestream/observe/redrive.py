@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from milestream.config import Config
-from milestream.observe.selection import trainer_lineage
+from milestream.log.lineage import lineage_of
 from milestream.log.reader import LoggedMessage, LogSource
 from milestream.observe.recompute import StepReplay, replay_steps
 from milestream.schemas import topics
@@ -87,10 +87,9 @@ def logged_outcomes(source: LogSource) -> tuple[dict[str, str], dict[str, list[G
         if m.records:
             emitted.setdefault(m.records[0].group_id, m.records)
             outcomes[m.records[0].group_id] = EMITTED
-    for m in source.messages(topics.DROPPED):
-        for drop in m.records:
-            if drop.dropped_by == "processor":
-                outcomes[drop.group_id] = drop.reason
+    for group_id, drop in lineage_of(source.messages(topics.DROPPED)).drops.items():
+        if drop.dropped_by == "processor":
+            outcomes[group_id] = drop.reason
     return outcomes, emitted
 
 
@@ -121,7 +120,7 @@ def redrive_processor(cfg: Config, source: LogSource) -> ProcessorRedrive:
 
 def redrive_trainer(cfg: Config, run_dir: str | Path, source: LogSource, first: int, last: int) -> list[StepReplay]:
     """Steps ``first``..``last`` recomputed from the checkpoint before ``first`` (RUN_DIR/checkpoints)."""
-    steps = trainer_lineage(source.messages(topics.METRICS))
+    steps = lineage_of(source.messages(topics.METRICS)).steps
 
     def fetch_groups(wanted: set[str]) -> dict[str, list[GroupSample]]:
         return {g: samples for g, samples in logged_outcomes(source)[1].items() if g in wanted}

@@ -1,12 +1,12 @@
-"""A run's report, built only from its topics: trainer steps on buffer.metrics, drops on buffer.dropped."""
+"""A run's report, built only from its topics: the lineage of buffer.metrics and buffer.dropped (log/lineage.py)."""
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
 from typing import Sequence
 
-from milestream.schemas.records import Dropped, Metrics
+from milestream.log.lineage import Lineage
+from milestream.schemas.records import Metrics
 
 
 def _quarter_mean(values: Sequence[float], last: bool) -> float:
@@ -17,8 +17,8 @@ def _quarter_mean(values: Sequence[float], last: bool) -> float:
     return sum(chunk) / len(chunk)
 
 
-def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float, stopped_by: str = "steps") -> dict:
-    steps = sorted(steps, key=lambda m: m.step)
+def summarise(lineage: Lineage, wall_s: float, stopped_by: str = "steps") -> dict:
+    steps = lineage.trainer_steps()
     rewards = [m.values["reward_mean"] for m in steps]
     lags = [lag for m in steps for lag in m.group_staleness]
     return {
@@ -26,7 +26,7 @@ def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: floa
         "reward_first_quarter": _quarter_mean(rewards, last=False),
         "reward_last_quarter": _quarter_mean(rewards, last=True),
         "groups_trained": sum(len(m.group_ids) for m in steps),
-        "groups_dropped": dict(collections.Counter(d.reason for d in {d.group_id: d for d in dropped}.values())),
+        "groups_dropped": lineage.drop_reasons(),
         "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
         "staleness_max": max(lags) if lags else 0,
         "final_version": int(steps[-1].values["version"]) if steps else 0,
@@ -35,13 +35,13 @@ def summarise(steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: floa
     }
 
 
-def write_report(run_dir: str | Path, steps: Sequence[Metrics], dropped: Sequence[Dropped], wall_s: float,
-                 stopped_by: str = "steps") -> dict:
+def write_report(run_dir: str | Path, lineage: Lineage, wall_s: float, stopped_by: str = "steps") -> dict:
     run_dir = Path(run_dir)
-    summary = summarise(steps, dropped, wall_s, stopped_by)
+    summary = summarise(lineage, wall_s, stopped_by)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    steps = lineage.trainer_steps()
     with open(run_dir / "steps.jsonl", "w") as out:
-        for m in sorted(steps, key=lambda m: m.step):
+        for m in steps:
             out.write(json.dumps({"step": m.step, "ts": m.ts, **m.values}) + "\n")
     if steps:
         plot(run_dir / "reward_staleness.png", steps)

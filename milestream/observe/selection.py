@@ -40,9 +40,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from milestream.log.lineage import GroupFate, lineage_of
 from milestream.log.reader import LogSource, LoggedMessage
 from milestream.schemas import topics
-from milestream.schemas.records import Dropped, LogProbs, Metrics, Record, Trajectory
+from milestream.schemas.records import LogProbs, Metrics, Record, Trajectory
 
 Decoder = Callable[[list[int]], str]
 
@@ -70,36 +71,11 @@ class SelectionError(ValueError):
     pass
 
 
-def trainer_lineage(messages: Iterable[LoggedMessage]) -> dict[int, Metrics]:
-    """Per step, the trainer's record the surviving model went through (a redone step's later one)."""
-    return {record.step: record for m in messages for record in m.records
-            if isinstance(record, Metrics) and record.source == "trainer"}
-
-
-@dataclass(frozen=True)
-class GroupFate:
-    """What became of one group, from buffer.groups, buffer.dropped and the trainer's lineage."""
-
-    outcome: str
-    step: int | None = None
-    staleness: int | None = None
-    drop: Dropped | None = None
-    emitted_at: tuple[int, int] | None = None  # buffer.groups (partition, offset)
-
-
 def group_fates(source: LogSource) -> dict[str, GroupFate]:
-    emitted: dict[str, tuple[int, int]] = {}
-    for m in source.messages(topics.GROUPS):
-        if m.records:
-            emitted.setdefault(m.records[0].group_id, (m.partition, m.offset))
-    fates = {g: GroupFate("buffered", emitted_at=at) for g, at in emitted.items()}
-    for m in source.messages(topics.DROPPED):
-        for drop in m.records:
-            fates[drop.group_id] = GroupFate("dropped", drop=drop, emitted_at=emitted.get(drop.group_id))
-    for step, record in sorted(trainer_lineage(source.messages(topics.METRICS)).items()):
-        for group_id, lag in zip(record.group_ids, record.group_staleness):
-            fates[group_id] = GroupFate("trained", step, lag, emitted_at=emitted.get(group_id))
-    return fates
+    """Each group's fate (log/lineage.py); with no trainer checkpoint here, an emitted group without an
+    outcome counts as buffered."""
+    return lineage_of(m for spec in (topics.GROUPS, topics.DROPPED, topics.METRICS)
+                      for m in source.messages(spec)).fates()
 
 
 def _first_by_trajectory(messages: Iterable[LoggedMessage]) -> dict[str, tuple[LoggedMessage, Record]]:

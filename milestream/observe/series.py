@@ -3,9 +3,8 @@
 Fed ``Observed`` records in any order across topics (within a topic, in offset order), it keeps:
 
 - the latest ``Metrics`` record of every source (``trainer``, ``processor``, ``rollout/<worker>``, ``verifier``);
-- the trainer's record of each step (a restarted trainer redoes steps: the later record is the lineage);
+- the trainer's lineage and each dropped group once (``log/lineage.py``);
 - the processor's queue size over time;
-- each dropped group once (a processor that restarts may resend a drop);
 - every weight version's publication times and every engine's acks.
 """
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import collections
 from typing import Iterable
 
+from milestream.log.lineage import Lineage
 from milestream.observe.feed import Observed
 from milestream.schemas.records import Dropped, Metrics, WeightApplied, WeightVersion
 
@@ -20,25 +20,31 @@ from milestream.schemas.records import Dropped, Metrics, WeightApplied, WeightVe
 class RunSeries:
     def __init__(self) -> None:
         self.latest: dict[str, Metrics] = {}
-        self.steps: dict[int, Metrics] = {}
+        self.lineage = Lineage()
         self.queue: list[tuple[float, float]] = []  # (ts, queue size) as the processor saw it
-        self.dropped: dict[str, Dropped] = {}
         self.versions: dict[int, WeightVersion] = {}  # the latest record of each version
         self.published: dict[int, list[float]] = collections.defaultdict(list)  # version -> publication times
         self.acks: list[WeightApplied] = []
         self.first_ts: float | None = None
 
+    @property
+    def steps(self) -> dict[int, Metrics]:
+        return self.lineage.steps
+
+    @property
+    def dropped(self) -> dict[str, Dropped]:
+        return self.lineage.drops
+
     def observe(self, item: Observed) -> None:
         record = item.record
+        self.lineage.observe(record, item.position)
         match record:
             case Metrics():
                 self.latest[record.source] = record
-                if record.source == "trainer":
-                    self.steps[record.step] = record
-                elif record.source == "processor" and "queue_size" in record.values:
+                if record.source == "processor" and "queue_size" in record.values:
                     self.queue.append((record.ts, record.values["queue_size"]))
             case Dropped():
-                self.dropped.setdefault(record.group_id, record)
+                pass  # the lineage keeps it; its time still counts towards the run's start
             case WeightVersion():
                 self.versions[record.version] = record
                 self.published[record.version].append(record.ts)
@@ -57,7 +63,7 @@ class RunSeries:
         return ts - (self.first_ts or ts)
 
     def trainer_steps(self) -> list[Metrics]:
-        return [self.steps[step] for step in sorted(self.steps)]
+        return self.lineage.trainer_steps()
 
     def queue_points(self) -> list[tuple[float, float]]:
         """(seconds since the run's first record, groups queued): the processor's view, else the trainer's."""

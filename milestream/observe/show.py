@@ -1,6 +1,6 @@
 """One trajectory, readably: who made it, what became of its group, its decoded text, and its tokens.
 
-Takes a row of ``inspect_log.sample_table`` (so it shows the same thing the Parquet export holds).
+Takes a row of ``selection.sample_table`` (so it shows the same thing the Parquet export holds).
 Text from the log is printed as ``rich.text.Text``, never as markup: a response may contain
 ``[/answer]`` or other bracketed text that rich would otherwise interpret.
 """
@@ -81,7 +81,7 @@ def print_trajectories(rows: list[dict[str, Any]], console: Console | None = Non
 
 
 def print_groups(summary: pa.Table, console: Console | None = None) -> None:
-    """The selected groups (``replay_cli.group_summary``), one line each, oldest first; fits 80 columns."""
+    """The selected groups (``debug_cli.group_summary``), one line each, oldest first; fits 80 columns."""
     table = Table(title=f"{summary.num_rows} groups", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("group", no_wrap=True)
     for name in ("outcome", "step", "stale", "drop", "n", "reward", "first at"):

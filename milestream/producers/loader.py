@@ -23,7 +23,7 @@ from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.producers.tasks import iter_prompts
 from milestream.schemas import topics
 from milestream.schemas.records import Prompt
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,8 @@ def load_prompts(cfg: Config, start: int = 0, count: int = 1000) -> int:
 def feed_prompts(cfg: Config, lookahead: int, stop: threading.Event, poll_s: float = 0.5) -> int:
     """Keep ``lookahead`` prompts ahead of the rollout workers' admissions until ``stop`` is set."""
     producer = RecordProducer(cfg.broker, client_id="prompt-feeder")
-    credit = Credit(cfg)
-    published = start = credit.prompts_published()  # a restarted feeder carries on where it stopped
+    ledger = BufferLedger(cfg)
+    published = start = ledger.prompts_published()  # a restarted feeder carries on where it stopped
     records = _records(cfg, start)
     dropped = None
     if cfg.buffer.unused == "retry":
@@ -103,11 +103,11 @@ def feed_prompts(cfg: Config, lookahead: int, stop: threading.Event, poll_s: flo
     while not stop.is_set():
         if dropped is not None:
             retried += retry_unused(cfg, dropped, producer)
-        while published + retried - credit.prompts_admitted() < lookahead:
+        while published + retried - ledger.prompts_admitted() < lookahead:
             record = next(records)
             producer.send(topics.PROMPTS, [record], key=record.prompt_id)
             published += 1
         producer.flush()
-        credit.set_prompts_published(published)
+        ledger.set_prompts_published(published)
         stop.wait(poll_s)
     return published - start

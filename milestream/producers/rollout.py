@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from milestream.config import Config, import_path
-from milestream.producers.engine import Engine, FinishReason, GenerateRequest, SamplingParams
-from milestream.producers.moe_routing import RecordedRouting
+from milestream.engines.engine import Engine, FinishReason, GenerateRequest, SamplingParams
+from milestream.engines.moe_routing import RecordedRouting
 from milestream.producers.sessions.templates import chat_template
 from milestream.producers.sessions.tito import TokenSession
 from milestream.producers.tasks import build_input_ids, score

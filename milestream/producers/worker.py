@@ -15,21 +15,22 @@ import signal
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from milestream.config import Config
-from milestream.evaluate.evaluation import SharedEvaluation
+from milestream.engines.engine import CpuEngine, Engine, sampling_params
+from milestream.engines.moe_routing import routing_records
 from milestream.infra import faults
-from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
+from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
-from milestream.producers.engine import CpuEngine, Engine, sampling_params
-from milestream.producers.moe_routing import routing_records
+from milestream.infra.offsets import HeldOffsets
 from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
 from milestream.streams import weights
 from milestream.streams.weights import verify
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -50,8 +51,32 @@ class Group:
         return self.task.prompt.group_id
 
 
+class EngineHook(Protocol):
+    """Work that shares this worker's engine between submissions (``eval.mode: shared`` evaluation):
+    injected by whoever starts the worker, so rollout never imports the consumers built on top of it."""
+
+    async def admission(self) -> None:
+        """Returns when a new submission may start."""
+
+    async def after_version(self, engine: Engine, version: int, step: int) -> None:
+        """Called once the engine has applied ``version``."""
+
+    def close(self) -> None: ...
+
+
+class NoHook:
+    async def admission(self) -> None:
+        return None
+
+    async def after_version(self, engine: Engine, version: int, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 class RolloutWorker:
-    def __init__(self, cfg: Config, worker_id: str, engine: Engine, tokenizer) -> None:
+    def __init__(self, cfg: Config, worker_id: str, engine: Engine, tokenizer, hook: EngineHook | None = None) -> None:
         self.cfg, self.worker_id, self.engine, self.tokenizer = cfg, worker_id, engine, tokenizer
         self.layers = load_layers(cfg)
         self.ctx = RolloutContext(cfg, worker_id, engine, tokenizer, sampling_params(cfg.rollout, tokenizer),
@@ -61,14 +86,13 @@ class RolloutWorker:
                                       deadletter=self.producer).subscribe()
         self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"rollout-{worker_id}-versions",
                                        deadletter=self.producer).assign(partitions=[0])
-        self.credit = Credit(cfg)
-        self.offsets = OffsetTracker()
+        self.ledger = BufferLedger(cfg)
+        self.offsets: HeldOffsets[int] = HeldOffsets()
         self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
         self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
-        # eval.mode shared (evaluate/evaluation.py): this engine evaluates due versions; submissions wait meanwhile
-        self.evaluation = SharedEvaluation(cfg, worker_id, self.producer, tokenizer)
+        self.hook = hook or NoHook()
         self.samples_done = 0
         self.stalled_s = 0.0
 
@@ -83,7 +107,7 @@ class RolloutWorker:
         self.producer.flush()
         self.prompts.close()
         self.versions.close()
-        self.evaluation.close()  # eval.mode shared
+        self.hook.close()
 
     async def _admit_forever(self) -> None:
         await self.weights_ready.wait()
@@ -100,17 +124,17 @@ class RolloutWorker:
     async def _next_group(self) -> Group:
         """Wait for a credit, then for a prompt; the credit is returned if no prompt comes."""
         while True:
-            if not self.credit.try_take():
+            if not self.ledger.try_take():
                 started = time.monotonic()
                 await asyncio.sleep(0.1)
                 self.stalled_s += time.monotonic() - started
                 continue
             delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
             if delivery is None:
-                self.credit.give_back()
+                self.ledger.give_back()
                 continue
             prompt = delivery.records[0]
-            self.credit.prompt_admitted()
+            self.ledger.prompt_admitted()
             self.offsets.started(delivery.position.partition, delivery.position.offset)
             return Group(GroupTask(prompt, self.cfg.rollout.group_size), delivery.position)
 
@@ -148,7 +172,7 @@ class RolloutWorker:
         if task.slots_taken >= task.size:
             task.admitted.set()
         try:
-            await self.evaluation.admission()  # eval.mode shared: a new submission waits out an evaluation
+            await self.hook.admission()  # e.g. a shared evaluation running on this engine
             return await self.layers.generate(self.ctx, task.prompt, f"{task.prompt.group_id}/{index}")
         finally:
             if not self.group_refill:
@@ -220,7 +244,7 @@ class RolloutWorker:
             return
         weights.acknowledge(self.producer, self.worker_id, record, tensors)
         log.info("engine %s now at weight version %d", self.worker_id, record.version)
-        await self.evaluation.maybe_evaluate(self.engine, record.version, record.step)  # eval.mode shared
+        await self.hook.after_version(self.engine, record.version, record.step)
 
     async def _report(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
         started = time.monotonic()
@@ -239,7 +263,7 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
     engine server, milestream's router, or SGLang servers behind it; weight versions reach them as
     disk files this worker stages under the run folder."""
     if cfg.rollout.engine_url:
-        from milestream.producers.http_engine import HttpEngine
+        from milestream.engines.http_engine import HttpEngine
 
         return HttpEngine(cfg.rollout.engine_url, weights_dir=cfg.run_path / "engine-weights" / worker_id,
                           key_header=cfg.router.key_header)
@@ -247,10 +271,10 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
     return CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
 
 
-def run_worker(cfg: Config, worker_id: str) -> None:
+def run_worker(cfg: Config, worker_id: str, hook: EngineHook | None = None) -> None:
     configure_process(cfg.model)
     engine = make_engine(cfg, worker_id)
-    worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model))
+    worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model), hook)
 
     async def main() -> None:
         stop = asyncio.Event()

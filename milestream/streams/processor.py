@@ -12,10 +12,10 @@ Restart safety without broker transactions (tansu does not honour them):
 
 - A source event is acknowledged only when every group holding one of its records has left, and a
   group leaves only once its output record is on the broker. The committed offset of a source
-  partition is its oldest unacknowledged event (``SourceOffsets``; faust's own choice can pass an
-  unacknowledged offset, see ``ProcessorApp``), so a restarted processor re-reads every record of
+  partition is its oldest unacknowledged event (``infra.offsets.HeldOffsets``; faust's own choice can
+  pass an unacknowledged offset, see ``ProcessorApp``), so a restarted processor re-reads every record of
   every group that had not left, and rebuilds the partial groups from the log.
-- Which groups have left lives in Redis next to the credit (``Settlements``). A group's credit and
+- Which groups have left lives in Redis next to the credit (``streams.ledger``). A group's credit and
   queue accounting happen once, in the same atomic step that marks it settled; a re-read record of
   a settled group is a duplicate. A group the killed process had sent but not yet marked is sent
   again (counted as ``groups_resent``); consumers de-duplicate ``buffer.groups`` by group id.
@@ -27,119 +27,21 @@ import collections
 import functools
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any
 
 import faust
 
 from milestream.config import Config
 from milestream.infra.kafka import topic_name
+from milestream.infra.offsets import HeldOffsets
 from milestream.infra.security import faust_credentials
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
 from milestream.schemas.records import DeadLetter, Dropped, GroupSample, Metrics
-from milestream.streams.credit import Credit
 from milestream.streams.groups import GroupAssembler, MismatchError, Outcome, SourceRecord, load_filter, oldest_version
+from milestream.streams.ledger import EMITTED, SENDING, SETTLED, BufferLedger
 
 log = logging.getLogger(__name__)
-
-SENDING, SETTLED = "sending", "settled"
-
-# KEYS: group states, run totals. ARGV: group id. Returns the state before (nil: first attempt).
-_BEGIN = """
-local previous = redis.call('HGET', KEYS[1], ARGV[1])
-if previous == 'settled' then return previous end
-if previous == 'sending' then redis.call('HINCRBY', KEYS[2], 'groups_resent', 1) end
-redis.call('HSET', KEYS[1], ARGV[1], 'sending')
-return previous
-"""
-
-# KEYS: group states, run totals, credit, queued, taken early. ARGV: group id, "emitted" or the drop
-# reason, the group's oldest token version. Returns 1 when this call settled the group, 0 when it
-# had been settled before (nothing counted).
-_SETTLE = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == 'settled' then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], 'settled')
-if ARGV[2] == 'emitted' then
-  if redis.call('SREM', KEYS[5], ARGV[1]) == 1 then
-    redis.call('INCR', KEYS[3])
-  else
-    redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
-  end
-  redis.call('HINCRBY', KEYS[2], 'groups_out', 1)
-else
-  redis.call('INCR', KEYS[3])
-  redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[2], 1)
-end
-return 1
-"""
-
-
-class Settlements:
-    """Which groups have left the processor (durably, in Redis), and the run's totals across restarts.
-
-    Settling a group and its credit accounting (an emitted group is queued; a dropped one gives its
-    credit back) are one atomic step, so a group re-emitted after a restart is never counted twice.
-    """
-
-    def __init__(self, cfg: Config):
-        credit = Credit(cfg)
-        self.client = credit.client
-        namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
-        self.states_key = credit.group_states_key
-        self.totals_key = namespace + "processor-totals"
-        self._credit_keys = [credit.key, credit.queued_key, credit.taken_early_key]
-        self._begin = self.client.register_script(_BEGIN)
-        self._settle = self.client.register_script(_SETTLE)
-
-    def state(self, group_id: str) -> str | None:
-        value = self.client.hget(self.states_key, group_id)
-        return value.decode() if value is not None else None
-
-    def begin(self, group_id: str) -> str | None:
-        """Mark the group as being sent; returns its state before (SENDING: an earlier life sent it)."""
-        value = self._begin(keys=[self.states_key, self.totals_key], args=[group_id])
-        return value.decode() if value is not None else None
-
-    def settle(self, group_id: str, outcome: str, oldest_version: int = -1) -> bool:
-        """``outcome``: "emitted" or the drop reason. False when the group had been settled before."""
-        keys = [self.states_key, self.totals_key, *self._credit_keys]
-        return bool(self._settle(keys=keys, args=[group_id, outcome, oldest_version]))
-
-    def totals(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.client.hgetall(self.totals_key).items()}
-
-
-class SourceOffsets:
-    """Per source topic-partition, the offsets read by the join agent and not yet acknowledged.
-
-    A partition's commit point is its oldest such offset (one past the newest read when none is
-    held). Offsets are reference-counted because a rebalance can deliver the same offset twice.
-    """
-
-    def __init__(self, source_topics: Iterable[str]):
-        self.topics = frozenset(source_topics)
-        self._held: dict[Any, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-        self._next: dict[Any, int] = {}
-
-    def read(self, tp, offset: int) -> None:
-        self._held[tp][offset] += 1
-        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
-
-    def released(self, tp, offset: int) -> None:
-        held = self._held[tp]
-        held[offset] -= 1
-        if held[offset] <= 0:
-            del held[offset]
-
-    def commit_point(self, tp) -> int | None:
-        if tp not in self._next:
-            return None
-        held = self._held[tp]
-        return min(held) if held else self._next[tp]
-
-    def held(self) -> int:
-        return sum(sum(counts.values()) for counts in self._held.values())
-
 
 class HeldEvent:
     """A source event and who still needs it: the join agent while it reads the event, and every group
@@ -147,9 +49,9 @@ class HeldEvent:
 
     __slots__ = ("event", "offsets", "holders")
 
-    def __init__(self, event, offsets: SourceOffsets):
+    def __init__(self, event, offsets: HeldOffsets):
         self.event, self.offsets, self.holders = event, offsets, 1
-        offsets.read(event.message.tp, event.message.offset)
+        offsets.started(event.message.tp, event.message.offset)
 
     def hold(self) -> None:
         self.holders += 1
@@ -158,7 +60,7 @@ class HeldEvent:
         self.holders -= 1
         if self.holders == 0:
             self.event.ack()
-            self.offsets.released(self.event.message.tp, self.event.message.offset)
+            self.offsets.done(self.event.message.tp, self.event.message.offset)
 
 
 class ProcessorApp(faust.App):
@@ -170,7 +72,8 @@ class ProcessorApp(faust.App):
     partial group's early records and lose the group on restart (tests/streams/test_processor_restart).
     """
 
-    source_offsets: SourceOffsets | None = None
+    source_topics: frozenset[str] = frozenset()  # the join agent's topics: committed at source_offsets
+    source_offsets: HeldOffsets | None = None
     fetch_wait_ms: int = 50
 
     def _new_consumer(self):
@@ -178,7 +81,7 @@ class ProcessorApp(faust.App):
         faust_choice = consumer._new_offset  # kept for the topics the join agent does not read
 
         def commit_point(tp):
-            if self.source_offsets is None or tp.topic not in self.source_offsets.topics:
+            if self.source_offsets is None or tp.topic not in self.source_topics:
                 return faust_choice(tp)
             point = self.source_offsets.commit_point(tp)
             _forget_acked_below(consumer, tp, point)
@@ -236,13 +139,12 @@ class Processor:
         self.cfg = cfg
         self.sources = {topic_name(cfg.broker, spec): spec
                         for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)}
-        self.offsets = SourceOffsets(self.sources)
+        self.offsets: HeldOffsets = HeldOffsets()
         self.app = ProcessorApp(app_id(cfg), **faust_settings(cfg))
         self.app.fetch_wait_ms = cfg.broker.fetch_wait_ms
-        self.app.source_offsets = self.offsets
+        self.app.source_topics, self.app.source_offsets = frozenset(self.sources), self.offsets
         self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.buffer.max_staleness)
-        self.credit = Credit(cfg)
-        self.settlements = Settlements(cfg)
+        self.ledger = BufferLedger(cfg)
         self.counts: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()
         self._topic = {spec.name: self.app.topic(topic_name(cfg.broker, spec))
@@ -292,7 +194,7 @@ class Processor:
 
     def _recall(self, group_id: str) -> None:
         """A group first seen in this life may have left in an earlier one: its records are re-reads."""
-        if self.settlements.state(group_id) == SETTLED:
+        if self.ledger.settlement(group_id) == SETTLED:
             self.assembler.mark_finished(group_id)
             self.counts["groups_settled_before_restart"] += 1
 
@@ -312,7 +214,7 @@ class Processor:
 
     async def _settle(self, outcome: Outcome) -> None:
         """Send the group (or its drop record); it is settled and its sources let go once delivered."""
-        if self.settlements.begin(outcome.group_id) == SENDING:
+        if self.ledger.begin_sending(outcome.group_id) == SENDING:
             self.counts["groups_resent"] += 1  # an earlier life may have sent it: a possible duplicate
         key = outcome.group_id.encode()
         if outcome.dropped is None:
@@ -331,9 +233,9 @@ class Processor:
             log.error("group %s was not delivered: %s", outcome.group_id,
                       "cancelled" if delivery.cancelled() else delivery.exception())
             return
-        reason = "emitted" if outcome.dropped is None else outcome.dropped.reason
+        reason = EMITTED if outcome.dropped is None else outcome.dropped.reason
         oldest = oldest_version(outcome.samples)
-        if self.settlements.settle(outcome.group_id, reason, -1 if oldest is None else oldest):
+        if self.ledger.settle(outcome.group_id, reason, -1 if oldest is None else oldest):
             self.counts["groups_out" if outcome.dropped is None else f"dropped_{reason}"] += 1
         else:
             self.counts["groups_settled_twice"] += 1
@@ -357,8 +259,7 @@ class Processor:
     async def publish_metrics(self) -> None:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         values = {
-            **self.credit.queue_figures(self.assembler.latest_version),
-            "credit_available": float(self.credit.available()),
+            **self.ledger.figures(self.assembler.latest_version),
             "partial_groups": float(len(self.assembler.partial)),
             "held_source_records": float(self.offsets.held()),
             "latest_version": float(self.assembler.latest_version),
@@ -367,7 +268,7 @@ class Processor:
             "out_groups_per_s": self.counts["groups_out"] / elapsed,
             **{name: float(count) for name, count in self.counts.items()},
             # the same counts over the whole run, across processor restarts
-            **{f"run_{name}": float(count) for name, count in self.settlements.totals().items()},
+            **{f"run_{name}": float(count) for name, count in self.ledger.run_totals().items()},
         }
         record = Metrics("processor", self.assembler.latest_version, time.time(), values)
         await self._topic[topics.METRICS.name].send(key=b"processor", value=encode([record]),
@@ -377,6 +278,6 @@ class Processor:
 def run_processor(cfg: Config) -> None:
     """Run the processor until SIGTERM / SIGINT (faust's worker handles both)."""
     processor = Processor(cfg)
-    processor.credit.initialise()
+    processor.ledger.initialise()
     worker = faust.Worker(processor.app, loglevel="WARNING", quiet=True)
     worker.execute_from_commandline()

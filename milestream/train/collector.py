@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from milestream.config import Config, import_path
-from milestream.infra.kafka import OffsetTracker, RecordConsumer, RecordProducer
+from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.offsets import HeldOffsets
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import GroupSample
-from milestream.streams.credit import Credit
 from milestream.streams.groups import drop_record, oldest_version, staleness
+from milestream.streams.ledger import BufferLedger
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,8 @@ class GroupCollector:
         self.selector: Selector = import_path(cfg.buffer.selector, "buffer.selector")
         self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
                                        deadletter=producer).assign(offsets, partitions)
-        self.tracker = OffsetTracker()
-        self.resumed_offsets = dict(offsets)
-        self.credit = Credit(cfg)
+        self.held = HeldOffsets(resumed=offsets)
+        self.ledger = BufferLedger(cfg)
         self.pool: dict[str, PooledGroup] = {}
         self.arrivals = 0
         self.dropped_stale = 0
@@ -80,16 +80,16 @@ class GroupCollector:
 
     def offsets(self) -> dict[int, int]:
         """Next offsets to read on resume: below the oldest group still pooled."""
-        return {**self.resumed_offsets, **self.tracker.committable()}
+        return self.held.committable()
 
     def _read(self, timeout: float) -> None:
         while (delivery := self.consumer.poll(timeout)) is not None:
             timeout = 0.0  # take what is already there, then go on
             position = delivery.position
-            self.tracker.started(position.partition, position.offset)
+            self.held.started(position.partition, position.offset)
             group_id = delivery.records[0].group_id
             if group_id in self.seen_groups or group_id in self.pool:
-                self.tracker.done(position.partition, position.offset)  # re-emitted after a processor restart
+                self.held.done(position.partition, position.offset)  # re-emitted after a processor restart
                 continue
             self.pool[group_id] = PooledGroup(group_id, delivery.records, position, self.arrivals)
             self.arrivals += 1
@@ -107,8 +107,8 @@ class GroupCollector:
     def _leave(self, group: PooledGroup) -> None:
         del self.pool[group.group_id]
         self.seen_groups.add(group.group_id)
-        self.tracker.done(group.position.partition, group.position.offset)
-        self.credit.leave(group.group_id)
+        self.held.done(group.position.partition, group.position.offset)
+        self.ledger.leave(group.group_id)
 
     def close(self) -> None:
         self.consumer.close()

@@ -51,15 +51,3 @@ def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses
             states = torch.cat([states, rest.hidden_states[-1]], dim=1)
     return token_logprobs(logits / max(temperature, 1e-6), tokens), states
 
-
-def plain_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
-                   temperature: float = 1.0) -> Tensor:
-    """The same figures from one full forward per sequence: the reference the shared path must match."""
-    longest = max(len(r) for r in responses)
-    out = []
-    for response in responses:
-        row = torch.tensor(list(prompt_ids) + list(response))
-        logits = model(input_ids=row.unsqueeze(0)).logits[0, len(prompt_ids) - 1:-1]
-        logp = token_logprobs(logits / max(temperature, 1e-6), row[len(prompt_ids):])
-        out.append(torch.nn.functional.pad(logp, (0, longest - len(response))))
-    return torch.stack(out)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from milestream.config import TrainerConfig
 from milestream.train.logprobs import shared_prompt_forward
-from milestream.producers.moe_routing import routers
+from milestream.engines.moe_routing import routers
 from milestream.schemas.records import GroupSample
 from milestream.schemas.routing import expert_ids
 

@@ -75,7 +75,7 @@ class Trainer:
                 self.sender.publish(self.producer, self.state.version, self.state.step, exported)
                 # published before the checkpoint: a checkpointed step's record is always on the log. A
                 # step killed before its checkpoint is redone after resume and published again; the
-                # later record of a step is the one of the run's lineage (log/audit.py)
+                # later record of a step is the one of the run's lineage (log/lineage.py)
                 self._publish_metrics(batch, {**figures, "step_s": time.monotonic() - started})
                 faults.hold("trainer.published")
             if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
@@ -109,8 +109,7 @@ class Trainer:
     def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
         lags = [g.staleness for g in batch]
         values = {**figures, "version": float(self.state.version),
-                  **self.collector.credit.queue_figures(self.state.version),
-                  "credit_available": float(self.collector.credit.available()),
+                  **self.collector.ledger.figures(self.state.version),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
                   **self.collector.pool_figures(self.state.version)}
         record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 
 from milestream.config import Config
-from milestream.evaluate.evaluation import EngineEvaluation, EvaluationLoop, HeldOut, SharedEvaluation, \
+from milestream.evaluate.evaluation import EngineEvaluation, EvaluationLoop, HeldOut, SharedEvaluation, shared_evaluation, \
     VersionFeed, held_out_prompts
 from milestream.evaluate.external import ExternalEvaluation
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, load_trainable_state_dict, trainable_state_dict
-from milestream.producers.engine import CpuEngine, GenerateRequest, SamplingParams
+from milestream.engines.engine import CpuEngine, GenerateRequest, SamplingParams
 from milestream.producers.loader import load_prompts
 from milestream.producers.tasks import iter_prompts
 from milestream.producers.worker import RolloutWorker
@@ -163,18 +163,18 @@ def test_shared_engine_pauses_new_submissions_and_aborts_nothing_in_flight(cfg, 
     tokenizer = load_tokenizer(cfg.model)
     tensors = publish_versions(cfg, range(1, 3))
     engine = CpuEngine(cfg.model, cfg.rollout)
-    evaluation = SharedEvaluation(cfg, "w-eval", RecordProducer(cfg.broker), tokenizer)
-    assert not SharedEvaluation(cfg, "w-other", RecordProducer(cfg.broker), tokenizer).enabled
+    evaluation = SharedEvaluation(cfg, "w-eval", tokenizer)
+    assert shared_evaluation(cfg, "w-other") is None and shared_evaluation(cfg.with_overrides(eval={"mode": "dedicated"}), "w-eval") is None
 
     async def scenario():
         await engine.update_weights(2, tensors[2])
-        assert await evaluation.maybe_evaluate(engine, 1, 1) == []  # not due: nothing runs
+        assert await evaluation.after_version(engine, 1, 1) == []  # not due: nothing runs
         long = GenerateRequest("in-flight", (1, 2, 3), SamplingParams(max_new_tokens=120, temperature=1.0))
         holds.arm("engine.stepped")
         in_flight = asyncio.create_task(engine.generate(long))
         # held after the in-flight request's first token: it is decoding when the evaluation starts
         held_by = await asyncio.to_thread(holds.wait_held, "engine.stepped", 120)
-        running = asyncio.create_task(evaluation.maybe_evaluate(engine, 2, 2))
+        running = asyncio.create_task(evaluation.after_version(engine, 2, 2))
         await asyncio.sleep(0)
         waiting = asyncio.create_task(evaluation.admission())
         assert evaluation.evaluating and not in_flight.done()
@@ -202,7 +202,8 @@ def test_shared_mode_runs_inside_the_rollout_worker(cfg):
     cfg = eval_cfg(cfg, mode="shared", shared_worker="w-eval")
     publish_versions(cfg, range(3, 4))  # the engine jumps from 0 to 3, over the due version 2: 3 is evaluated
     load_prompts(cfg, count=8)
-    worker = RolloutWorker(cfg, "w-eval", CpuEngine(cfg.model, cfg.rollout), load_tokenizer(cfg.model))
+    worker = RolloutWorker(cfg, "w-eval", CpuEngine(cfg.model, cfg.rollout), load_tokenizer(cfg.model),
+                           shared_evaluation(cfg, "w-eval"))
     trajectories = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))
     seen, results = [], []
 

@@ -93,8 +93,6 @@ def test_every_kafka_client_in_the_package_is_built_from_broker_settings():
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for call in _calls(tree, {"Consumer", "Producer", "AdminClient", "AIOKafkaConsumer", "AIOKafkaProducer"}):
-            if path.name == "services.py":  # the embedded broker's own readiness probe: plaintext, loopback
-                continue
             assert call.args and _called(call.args[0], "client_config"), f"{path}:{call.lineno} bypasses client_config"
             built += 1
         for call in _calls(tree, {"App", "ProcessorApp"}):

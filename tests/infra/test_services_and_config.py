@@ -6,7 +6,7 @@ import redis
 
 from milestream.cli import main
 from milestream.config import Config, load_config
-from milestream.infra.kafka import Admin, OffsetTracker
+from milestream.infra.kafka import Admin
 from milestream.infra.services import EmbeddedBroker, EmbeddedRedis
 from milestream.schemas import topics
 
@@ -49,18 +49,6 @@ def test_config_rejects_unknown_and_inconsistent_knobs():
         load_config(None, ["trainer.tis_interval=[1.5, 2.0]"])
     with pytest.raises(ValueError, match="group refill"):
         load_config(None, ["rollout.refill=group", "rollout.max_inflight_samples=2"])
-
-
-def test_offset_tracker_commits_below_the_oldest_unfinished():
-    tracker = OffsetTracker()
-    for offset in (5, 6, 7):
-        tracker.started(0, offset)
-    tracker.done(0, 6)
-    assert tracker.committable() == {0: 5}
-    tracker.done(0, 5)
-    assert tracker.committable() == {0: 7}
-    tracker.done(0, 7)
-    assert tracker.committable() == {0: 8}
 
 
 def test_cli_help_lists_every_stage():

@@ -10,12 +10,16 @@ from pathlib import Path
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from milestream.log.archive import Archiver, ArchiveState, archive_dir, read_topic
+from milestream.log.audit import archived_lineage
+from milestream.log.lineage import Lineage
+from milestream.log.reader import read_archive
 from milestream.log.restore import republish
 from milestream.infra.kafka import RecordProducer, client_config, topic_name
 from milestream.infra.services import EmbeddedBroker
+from milestream.observe.feed import TopicFeed
 from milestream.schemas import topics
 from milestream.schemas.records import Metrics, Prompt
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 from holds import Holds
 
@@ -86,7 +90,7 @@ def test_archive_republish_is_byte_exact(cfg, tmp_path):
 
     source = raw_dump(cfg)
     for spec in topics.CATALOGUE:  # each record archived exactly once, offsets dense from 0
-        table = read_topic(cfg.run.run_dir, spec.name)
+        table = read_topic(cfg.run.run_dir, spec.name, ["partition", "offset"])
         pairs = list(zip(table["partition"].to_pylist(), table["offset"].to_pylist()))
         assert len(pairs) == len(set(pairs)) == sum(1 for t, *_ in source if t == spec.name)
     assert ArchiveState.load(cfg.run.run_dir).groups[f"{cfg.broker.topic_prefix}rollout"] == {"prompts": {1: 3}}
@@ -138,33 +142,23 @@ def wait_until(condition, timeout_s: float, what: str, children=()) -> None:
 
 
 class Outcomes:
-    """Trained (from the trainer's step metrics) and dropped group ids, read as they land."""
+    """The run's lineage (trained groups, drops), read as it lands."""
 
     def __init__(self, cfg):
-        from milestream.infra.kafka import RecordConsumer
+        self.feed = TopicFeed(cfg, "audit", specs=(topics.METRICS, topics.DROPPED))
+        self.lineage = Lineage()
 
-        self.metrics = RecordConsumer(cfg.broker, topics.METRICS, "audit").assign(partitions=[0])
-        self.drops = RecordConsumer(cfg.broker, topics.DROPPED, "audit").assign(partitions=range(cfg.broker.partitions))
-        self.trained: set[str] = set()
-        self.dropped: dict[str, str] = {}
-        self.steps: set[int] = set()
-
-    def catch_up(self) -> "Outcomes":
-        for record in (r for d in self.metrics.drain(0.2, 5.0) for r in d.records if r.source == "trainer"):
-            self.trained.update(record.group_ids)
-            self.steps.add(record.step)
-        self.dropped.update({r.group_id: r.reason for d in self.drops.drain(0.2, 5.0) for r in d.records})
-        return self
+    def catch_up(self) -> Lineage:
+        for item in self.feed.drain(0.2, 5.0):
+            self.lineage.observe(item.record, item.position)
+        return self.lineage
 
     def close(self) -> None:
-        self.metrics.close()
-        self.drops.close()
+        self.feed.close()
 
 
 def archived_records(run_dir, spec) -> list:
-    from milestream.schemas.codec import decode
-
-    return [r for row in read_topic(run_dir, spec.name).to_pylist() for r in decode(row["value"], spec.record)]
+    return [r for m in read_archive(run_dir, spec) for r in m.records]
 
 
 def start_life(cfg, config_path: Path, run_dir: Path, life: int):
@@ -230,19 +224,15 @@ def audit_archive(run_dir: Path, entered: set[str]) -> None:
     versions = [v.version for v in archived_records(run_dir, topics.WEIGHT_VERSIONS)]
     assert versions == list(range(1, len(versions) + 1))  # no version skipped or published twice
     for spec in topics.CATALOGUE:  # one archive across both brokers: every offset once, dense from 0
-        table = read_topic(run_dir, spec.name)
+        table = read_topic(run_dir, spec.name, ["partition", "offset"])
         for partition in set(table["partition"].to_pylist()):
             offsets = [o for p, o in zip(table["partition"].to_pylist(), table["offset"].to_pylist()) if p == partition]
             assert offsets == list(range(len(offsets))), (spec.name, partition)
-    steps = [m for m in archived_records(run_dir, topics.METRICS) if m.source == "trainer"]
-    trained = {g for m in steps for g in m.group_ids}
-    dropped = {d.group_id for d in archived_records(run_dir, topics.DROPPED)}
-    emitted = {s.group_id for s in archived_records(run_dir, topics.GROUPS)}
-    assert entered <= trained | dropped  # no group lost
-    assert trained <= emitted and not trained & dropped
-    # each group in one trainer step only: the resumed trainer did not train a group again
-    once = collections.Counter(g for m in {m.step: m for m in steps}.values() for g in m.group_ids)
-    assert max(once.values()) == 1
+    lineage = archived_lineage(run_dir)
+    trained = lineage.training().keys()
+    assert entered <= trained | lineage.drops.keys()  # no group lost
+    assert trained <= lineage.emitted.keys() and not lineage.trained_and_dropped()
+    assert not lineage.trained_twice()  # the resumed trainer did not train a group again
 
 
 def test_run_survives_broker_restart(cfg, tmp_path, monkeypatch):
@@ -272,20 +262,23 @@ def test_run_survives_broker_restart(cfg, tmp_path, monkeypatch):
         resumed_from = checkpoint.load_latest(run_dir)["state"]["step"]
 
         broker = restart_broker(broker)
-        before = Credit(run).available()  # what the stopped run left in Redis
+        before = BufferLedger(run).available()  # what the stopped run left in Redis
         report, accounting = resume(run, run_dir)
         assert report.records["rollout.trajectories"] == len(archived_records(run_dir, topics.TRAJECTORIES))
         assert {f"{run.broker.topic_prefix}rollout", f"{run.broker.topic_prefix}milestream-processor"} <= report.groups.keys()
         assert set(accounting.queued) <= {g.group_id for g in archived_records(run_dir, topics.GROUPS)}
-        assert Credit(run).queued() == len(accounting.queued)
+        assert BufferLedger(run).queued() == len(accounting.queued)
         sizes = collections.Counter(t.group_id for t in archived_records(run_dir, topics.TRAJECTORIES))
         print(f"restart: {len(entered)} groups entered ({sum(n < run.rollout.group_size for n in sizes.values())} "
               f"half published), trainer at step {resumed_from}; credit {before} -> {accounting}")
 
         children, trainer = start_life(run, config_path, run_dir, 2)
         outcomes = Outcomes(run)
-        settled = lambda: not entered - (outcomes.catch_up().trained | outcomes.dropped.keys()) \
-            and max(outcomes.steps, default=0) >= resumed_from + 2
+        def settled() -> bool:
+            lineage = outcomes.catch_up()
+            return not entered - (lineage.training().keys() | lineage.drops.keys()) \
+                and max(lineage.steps, default=0) >= resumed_from + 2
+
         # a trainer done with all its steps has trained all it will: settled by then, or never
         wait_until(lambda: trainer.proc.poll() is not None or settled(), 500,
                    "every group that entered before the restart to be trained or dropped",

@@ -38,7 +38,7 @@ from milestream.infra.model import configure_process, load_tokenizer
 from milestream.schemas import topics
 from milestream.schemas.codec import RecordError
 from milestream.schemas.records import GroupSample, LogProbs, Metrics, Trajectory, WeightVersion
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 G = 4
 ANSWERS = {"add#0": ("3 + 4", "7"), "sub#0": ("9 - 5", "4"), "mul#0": ("2 + 2", "4"),
@@ -130,7 +130,7 @@ def logged(live_services: Config, tmp_path_factory) -> LoggedRun:
         model={"name": "tiny-random", "dtype": "float32"}, rollout={"group_size": G},
         trainer={"batch_groups": 2}, run={"run_dir": str(workdir / "run")})
     Admin(cfg.broker).create_topics()
-    Credit(cfg).initialise()
+    BufferLedger(cfg).initialise()
     processor = ProcessorProcess(cfg, workdir)
     processor.start()
     try:  # tokenizer and model load while the processor joins its consumer group

@@ -16,7 +16,7 @@ import pytest
 
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.model import load_tokenizer
-from milestream.producers.engine import GenerateRequest, GenerateResult, sampling_params
+from milestream.engines.engine import GenerateRequest, GenerateResult, sampling_params
 from milestream.producers.environments.sandbox import Sandbox, SandboxLimits, network_namespace_available
 from milestream.producers.environments.tool_use import run_tool_call
 from milestream.producers.loader import load_prompts

@@ -8,7 +8,7 @@ from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.producers.loader import feed_prompts, load_prompts, parse_group_id, retry_unused
 from milestream.schemas import topics
 from milestream.schemas.records import Dropped
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 
 def read_prompts(cfg, group: str):
@@ -27,7 +27,7 @@ def run_feeder(cfg, seconds: float) -> int:
 
 def test_feeder_keeps_a_bounded_lookahead_and_resumes_its_position(cfg):
     assert run_feeder(cfg, 1.0) == 5
-    credit = Credit(cfg)
+    credit = BufferLedger(cfg)
     for _ in range(3):
         credit.prompt_admitted()
     assert run_feeder(cfg, 1.0) == 3  # tops up to 5 ahead, carrying on from position 5

@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from transformers import PreTrainedTokenizerBase
 
 from milestream.config import RolloutConfig
-from milestream.producers.engine import CpuEngine, GenerateResult, SamplingParams
+from milestream.engines.engine import CpuEngine, GenerateResult, SamplingParams
 from milestream.producers.sessions.server import EngineBackend, SessionService
 from milestream.producers.sessions.templates import chat_template
 

@@ -6,11 +6,11 @@ import time
 
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.model import load_tokenizer
-from milestream.producers.engine import CpuEngine
+from milestream.engines.engine import CpuEngine
 from milestream.producers.loader import load_prompts
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 
 def published_groups(consumer: RecordConsumer, seen: dict[str, list]) -> dict[str, list]:
@@ -32,7 +32,7 @@ async def run_until(worker: RolloutWorker, condition, timeout: float = 120.0) ->
 
 def test_worker_publishes_groups_and_stalls_without_credit(cfg):
     load_prompts(cfg, count=20)
-    credit = Credit(cfg)
+    credit = BufferLedger(cfg)
     engine = CpuEngine(cfg.model, cfg.rollout, seed=1)
     worker = RolloutWorker(cfg, "w-test", engine, load_tokenizer(cfg.model))
     trajectories = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))

@@ -6,7 +6,7 @@ from synthetic import ProcessorProcess, group_records, topic_reader, wait_until
 
 from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
-from milestream.streams.credit import Credit
+from milestream.streams.ledger import BufferLedger
 
 GROUP_SIZE = 4
 
@@ -18,7 +18,7 @@ def test_group_incomplete_after_the_window_is_dropped_with_its_reason(cfg, tmp_p
     for spec, record in missing_one_trajectory + group_records("whole#0", GROUP_SIZE):
         producer.send(spec, [record], key=record.group_id)
     producer.flush()
-    credit = Credit(cfg)
+    credit = BufferLedger(cfg)
     credit_before = credit.available()
 
     processor = ProcessorProcess(cfg, tmp_path)

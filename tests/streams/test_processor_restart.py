@@ -19,8 +19,8 @@ from synthetic import ProcessorProcess, all_partitions, expert_ids, group_record
 
 from milestream.infra.kafka import RecordProducer, client_config, topic_name
 from milestream.schemas import routing, topics
-from milestream.streams.credit import Credit
-from milestream.streams.processor import SETTLED, Settlements, app_id
+from milestream.streams.ledger import SETTLED, BufferLedger
+from milestream.streams.processor import app_id
 
 GROUP_SIZE = 4
 WAVES = 10
@@ -111,7 +111,7 @@ def drive_waves(cfg, processor: ProcessorProcess, emitted: EmittedGroups) -> lis
     producer = RecordProducer(cfg.broker, client_id="restart-test")
     rng = random.Random(7)
     entered: list[str] = []
-    settlements = Settlements(cfg)
+    ledger = BufferLedger(cfg)
     committed_at_kill = sum(committed(cfg).values())
     for wave in range(WAVES):
         first, second, early, ids = split_wave(wave, rng)
@@ -120,7 +120,7 @@ def drive_waves(cfg, processor: ProcessorProcess, emitted: EmittedGroups) -> lis
             emitted.wait_for(early, processor, timeout_s=120)
             # settled (delivered, accounted) while the half-filled groups are held: the next life
             # re-reads records of groups that are already gone
-            wait_until(lambda: all(settlements.state(g) == SETTLED for g in early), 60, "the complete groups settled")
+            wait_until(lambda: all(ledger.settlement(g) == SETTLED for g in early), 60, "the complete groups settled")
             # commits happen while the processor runs, not only when it stops cleanly: everything
             # before this wave has left since the last kill, so the committed position moved on
             before = committed_at_kill
@@ -141,11 +141,11 @@ def test_sigkill_at_several_points_loses_no_group_and_counts_each_once(cfg, tmp_
     try:
         entered = drive_waves(cfg, processor, emitted)
         emitted.wait_for(entered, processor, timeout_s=240)
-        settlements = Settlements(cfg)  # settled once delivered: a moment after the group is readable
-        wait_until(lambda: settlements.totals().get("groups_out", 0) >= len(entered), 60,
+        ledger = BufferLedger(cfg)  # settled once delivered: a moment after the group is readable
+        wait_until(lambda: ledger.run_totals().get("groups_out", 0) >= len(entered), 60,
                    "the processor's run totals to count every group")
         emitted.catch_up(idle_s=2.0)  # late re-emissions from the last restart, if any
-        totals = settlements.totals()
+        totals = ledger.run_totals()
     except BaseException:
         print(processor.log_tail())
         raise
@@ -171,5 +171,5 @@ def test_sigkill_at_several_points_loses_no_group_and_counts_each_once(cfg, tmp_
     duplicates = sum(count - 1 for count in emitted.messages.values())
     print(f"{len(entered)} groups, {duplicates} duplicate emissions, processor totals {totals}")
     assert totals["groups_out"] == len(entered)
-    assert Credit(cfg).queued() == len(entered)
+    assert ledger.queued() == len(entered)
     assert duplicates <= totals.get("groups_resent", 0)

@@ -18,7 +18,7 @@ from milestream.config import Config, ModelConfig
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, trainable_state_dict
 from milestream.infra.services import die_with_parent
-from milestream.producers.engine import CpuEngine, GenerateRequest, SamplingParams
+from milestream.engines.engine import CpuEngine, GenerateRequest, SamplingParams
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
 from milestream.schemas.records import WeightApplied

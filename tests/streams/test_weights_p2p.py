@@ -8,6 +8,8 @@ corrupted in a bucket is caught by the receiver's per-piece checksum.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from weight_engines import TIMEOUT_S, outcomes, start_engines, tiny_model_tensors
@@ -16,7 +18,7 @@ from milestream.config import Config
 from milestream.infra.kafka import RecordProducer
 from milestream.streams.weights import p2p
 from milestream.streams.weights.base import checksum
-from milestream.streams.weights.plan import Layout, Piece, local_shape, split_dim, transfer_plan
+from milestream.streams.weights.plan import Layout, Piece, shard_range, split_dim, transfer_plan
 
 L0 = "model.layers.0."
 SHAPES = {  # hidden 4, query rows 8, key rows 4, MLP 8, vocabulary 12, LoRA rank 2
@@ -26,6 +28,16 @@ SHAPES = {  # hidden 4, query rows 8, key rows 4, MLP 8, vocabulary 12, LoRA ran
     L0 + "self_attn.q_proj.lora_A.default.weight": (2, 4), L0 + "self_attn.q_proj.lora_B.default.weight": (8, 2),
     L0 + "self_attn.o_proj.lora_A.default.weight": (2, 8), L0 + "self_attn.o_proj.lora_B.default.weight": (4, 2),
 }
+
+
+def local_shape(full_shape: Sequence[int], name: str, layout: Layout, rank: int) -> tuple[int, ...]:
+    """The shape of ``name`` as ``rank`` of ``layout`` holds it."""
+    dim = split_dim(name)
+    shape = list(full_shape)
+    if dim is not None and layout.tp_size > 1:
+        start, stop = shard_range(shape[dim], layout.tp_size, layout.tp_rank(rank), name)
+        shape[dim] = stop - start
+    return tuple(shape)
 
 
 def names(*suffixes: str) -> list[str]:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from milestream.config import Config
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, trainable_state_dict
-from milestream.producers.engine import CpuEngine
+from milestream.engines.engine import CpuEngine
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
 from milestream.schemas.records import WeightVersion

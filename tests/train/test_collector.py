@@ -5,8 +5,7 @@ from milestream.train.collector import GroupCollector, freshest_first
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.schemas import topics
 from milestream.schemas.records import GroupSample
-from milestream.streams.credit import Credit
-from milestream.streams.processor import Settlements
+from milestream.streams.ledger import EMITTED, BufferLedger
 
 
 def group(gid: str, version: int, size: int = 2) -> list[GroupSample]:
@@ -17,13 +16,13 @@ def group(gid: str, version: int, size: int = 2) -> list[GroupSample]:
 def publish(cfg, groups: dict[str, int]) -> RecordProducer:
     """Emit the groups as the processor does: on buffer.groups, then settled (queued) in Redis."""
     producer = RecordProducer(cfg.broker)
-    settlements = Settlements(cfg)
+    ledger = BufferLedger(cfg)
     for gid, version in groups.items():
         producer.send(topics.GROUPS, group(gid, version), key=gid)
-        settlements.begin(gid)
+        ledger.begin_sending(gid)
     producer.flush()
     for gid, version in groups.items():
-        settlements.settle(gid, "emitted", version)
+        ledger.settle(gid, EMITTED, version)
     return producer
 
 
@@ -42,9 +41,9 @@ def test_fifo_takes_in_arrival_order_and_drops_stale_at_collection(cfg):
     drops = RecordConsumer(cfg.broker, topics.DROPPED, "audit").assign(partitions=range(cfg.broker.partitions))
     (dropped,) = [r for d in drops.drain() for r in d.records]
     assert (dropped.group_id, dropped.reason, dropped.dropped_by) == ("a", "stale", "trainer")
-    assert Credit(cfg).available() == cfg.buffer_capacity + 3  # nobody took credit here; 3 groups left
+    assert BufferLedger(cfg).available() == cfg.buffer_capacity + 3  # nobody took credit here; 3 groups left
     # the one still pooled waits in the queue (which one depends on how the partitions were read)
-    assert Credit(cfg).queued_versions() == [g.oldest_version for g in c.pool.values()]
+    assert BufferLedger(cfg).queued_versions() == [g.oldest_version for g in c.pool.values()]
     c.close()
 
 

@@ -1,8 +1,25 @@
+from collections.abc import Sequence
+
 import torch
+from torch import Tensor, nn
 
 from milestream.config import ModelConfig
-from milestream.train.logprobs import plain_logprobs, shared_prompt_logprobs
 from milestream.infra.model import load_model
+from milestream.train.logprobs import shared_prompt_logprobs
+from milestream.train.tensor_ops import token_logprobs
+
+
+def plain_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                   temperature: float = 1.0) -> Tensor:
+    """The same figures from one full forward per sequence: the reference the shared path must match."""
+    longest = max(len(r) for r in responses)
+    out = []
+    for response in responses:
+        row = torch.tensor(list(prompt_ids) + list(response))
+        logits = model(input_ids=row.unsqueeze(0)).logits[0, len(prompt_ids) - 1:-1]
+        logp = token_logprobs(logits / max(temperature, 1e-6), row[len(prompt_ids):])
+        out.append(torch.nn.functional.pad(logp, (0, longest - len(response))))
+    return torch.stack(out)
 
 
 def test_shared_prompt_matches_plain_forward_values_and_gradients():

@@ -15,8 +15,8 @@ from torch import nn
 from milestream.config import Config, ModelConfig, RolloutConfig
 from milestream.train.learner import CollectedGroup, Learner
 from milestream.infra.model import load_model, trainable_state_dict
-from milestream.producers.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
-from milestream.producers.moe_routing import routing_records
+from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.moe_routing import routing_records
 from milestream.schemas import routing as wire
 from milestream.schemas.records import GroupSample
 

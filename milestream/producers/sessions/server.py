@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from milestream.config import Config, RolloutConfig, import_path
-from milestream.producers.engine import Engine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.engine import Engine, GenerateRequest, GenerateResult, SamplingParams
 from milestream.producers.sessions.templates import ChatTemplate, TemplateError, chat_template
 from milestream.producers.sessions.tito import MATCH_LEVELS, MatchLevel, TokenSession
 
@@ -48,7 +48,7 @@ class EngineBackend:
 
 def cpu_engine_backend(cfg: Config) -> EngineBackend:
     """The default ``sessions.backend``: the built-in CPU engine on the configured policy."""
-    from milestream.producers.engine import CpuEngine
+    from milestream.engines.engine import CpuEngine
 
     return EngineBackend(CpuEngine(cfg.model, cfg.rollout, seed=cfg.model.seed))
 

@@ -44,10 +44,6 @@ class Manifest:
     entries: tuple[Entry, ...]
 
     @property
-    def total_bytes(self) -> int:
-        return sum(self.bucket_sizes)
-
-    @property
     def tensor_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 

@@ -75,16 +75,6 @@ def shard_range(length: int, tp_size: int, tp_rank: int, name: str = "") -> tupl
     return tp_rank * size, (tp_rank + 1) * size
 
 
-def local_shape(full_shape: Sequence[int], name: str, layout: Layout, rank: int) -> tuple[int, ...]:
-    """The shape of ``name`` as ``rank`` of ``layout`` holds it."""
-    dim = split_dim(name)
-    shape = list(full_shape)
-    if dim is not None and layout.tp_size > 1:
-        start, stop = shard_range(shape[dim], layout.tp_size, layout.tp_rank(rank), name)
-        shape[dim] = stop - start
-    return tuple(shape)
-
-
 def transfer_plan(shapes: Mapping[str, Sequence[int]], sender: Layout,
                   receiver: Layout) -> dict[tuple[int, int], list[Piece]]:
     """{(sender rank, receiver rank): pieces in name order}; pairs with nothing to move are absent."""

@@ -20,8 +20,8 @@ import aiohttp
 from torch import Tensor
 
 from milestream.config import Config
-from milestream.producers.engine import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from milestream.producers.http_api import ROUTING_KEY_HEADER, reply_message
+from milestream.engines.engine import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.http_api import ROUTING_KEY_HEADER, reply_message
 from milestream.streams.weights.disk import prune, write_full
 
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
@@ -171,6 +171,6 @@ class RouterClient:
 
 
 def router_backend(cfg: Config) -> RouterClient:
-    """``sessions.backend=milestream.producers.http_engine:router_backend``: the router at router.host:port."""
+    """``sessions.backend=milestream.engines.http_engine:router_backend``: the router at router.host:port."""
     return RouterClient(f"http://{cfg.router.host}:{cfg.router.port}", key_header=cfg.router.key_header,
                         timeout_s=cfg.router.request_timeout_s)

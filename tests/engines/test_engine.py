@@ -9,7 +9,7 @@ import torch
 
 from milestream.config import ModelConfig
 from milestream.infra.model import load_model, trainable_state_dict
-from milestream.producers.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
 
 from holds import Holds
 

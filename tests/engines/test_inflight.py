@@ -14,7 +14,7 @@ from test_engine import reference_logprobs, request
 
 from milestream.config import ModelConfig
 from milestream.infra.model import load_model, trainable_state_dict
-from milestream.producers.engine import CpuEngine, GenerateResult
+from milestream.engines.engine import CpuEngine, GenerateResult
 from milestream.producers.worker import STATUS
 
 MakeEngine = Callable[..., CpuEngine]

@@ -23,7 +23,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from milestream.config import ModelConfig, RolloutConfig
 from milestream.infra import faults
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict
-from milestream.producers.moe_routing import RecordedRouting, RoutingTap, RowRouting
+from milestream.engines.moe_routing import RecordedRouting, RoutingTap, RowRouting
 
 FinishReason = Literal["stop", "length", "abort"]
 InflightPolicy = Literal["abort", "keep", "retract"]  # config.WeightsConfig.inflight
@@ -54,7 +54,7 @@ class GenerateResult:
     logprobs: tuple[float, ...]  # log_softmax(raw logits / temperature) of each sampled token
     versions: tuple[int, ...]  # weight version of the forward pass that produced each token
     finish_reason: FinishReason
-    routing: RecordedRouting | None = None  # MoE models: expert ids of every token (producers/moe_routing.py)
+    routing: RecordedRouting | None = None  # MoE models: expert ids of every token (engines/moe_routing.py)
 
 
 class Engine(Protocol):

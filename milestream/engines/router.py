@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from milestream.config import RouterConfig
-from milestream.producers.http_api import (ROUTING_KEY_HEADER, BadRequest, bad_request_as_400, error_response,
+from milestream.engines.http_api import (ROUTING_KEY_HEADER, BadRequest, bad_request_as_400, error_response,
                                            reply_message, serve_app)
 
 UPSTREAM_HEADER = "X-Milestream-Upstream"  # on each /generate reply: engine index, rank and URL that served it

@@ -22,10 +22,10 @@ import torch
 
 from milestream.config import Config, ModelConfig, RouterConfig
 from milestream.infra.model import load_model, trainable_state_dict
-from milestream.producers.engine import GenerateRequest, GenerateResult, SamplingParams
-from milestream.producers.http_api import ROUTING_KEY_HEADER
-from milestream.producers.http_engine import EngineHttpError, HttpEngine, RouterClient, router_backend
-from milestream.producers.router import AffinityTable, sglang_router_args
+from milestream.engines.engine import GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.http_api import ROUTING_KEY_HEADER
+from milestream.engines.http_engine import EngineHttpError, HttpEngine, RouterClient, router_backend
+from milestream.engines.router import AffinityTable, sglang_router_args
 
 MODEL = ["--set", "model.name=tiny-random", "--set", "model.dtype=float32", "--set", "model.lora_rank=0"]
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)

@@ -36,8 +36,8 @@ from aiohttp import web
 
 from milestream.config import Config
 from milestream.infra.model import configure_process
-from milestream.producers.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
-from milestream.producers.http_api import (BadRequest, bad_request_as_400, error_response, int_field, int_list,
+from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.http_api import (BadRequest, bad_request_as_400, error_response, int_field, int_list,
                                            json_object, number_field, serve_app)
 from milestream.streams.weights.base import WeightVerificationError, version_of
 from milestream.streams.weights.disk import read_verified_full

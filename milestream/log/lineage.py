@@ -1,0 +1,134 @@
+"""What became of a run's steps and groups, as its log tells it: the one place these rules live.
+
+**Trainer lineage.** The trainer publishes a step's record before it checkpoints the step. A trainer
+killed in between redoes the step after resuming from the checkpoint before it, and publishes it
+again; buffer.metrics has one partition, so in offset order the later record of a step is the one the
+surviving model was trained on. The lineage is that record of each step.
+
+**Drops.** A group can be dropped more than once: a processor that restarts before committing re-sends
+its output, or one life of the processor emitted a group that a later life pre-drops while the trainer
+stale-drops the emitted copy. The first drop of a group wins (see ``Lineage.observe``).
+
+**Group fate.** Against the lineage, a group is ``trained`` (a lineage step trained it), else
+``dropped`` (on buffer.dropped), else, when it is on buffer.groups, ``buffered`` (still waiting for
+the trainer when the log ends) or ``lost``. Given the trainer's last checkpoint, a group is buffered
+only if the checkpoint had not seen it and it lies at or past the checkpoint's buffer.groups offset;
+without one, every emitted group without an outcome is buffered. A group both trained and dropped is
+trained, and reported by ``trained_and_dropped``: the audit fails on it.
+
+``Lineage`` is fed records one at a time, so a finished log (audit, inspection, recompute, redrive)
+and a live feed (the metrics series, the run monitor) share it; feed each topic in offset order.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+from milestream.log.reader import LoggedMessage
+from milestream.schemas.codec import Position
+from milestream.schemas.records import Dropped, GroupSample, Metrics, Record
+
+TRAINED, DROPPED, BUFFERED, LOST = "trained", "dropped", "buffered", "lost"
+
+
+class TrainerPosition(Protocol):
+    """Where the trainer's last checkpoint stands on buffer.groups (``train.checkpoint.TrainerState``)."""
+
+    offsets: dict[int, int]  # partition -> next offset to read
+    seen_groups: set[str]  # trained or dropped by the trainer
+
+
+@dataclass(frozen=True)
+class GroupFate:
+    outcome: str  # trained | dropped | buffered | lost
+    step: int | None = None  # the lineage step that trained it
+    staleness: int | None = None  # its staleness in that step
+    drop: Dropped | None = None  # the drop that counts (the first)
+    emitted_at: tuple[int, int] | None = None  # its first buffer.groups record: (partition, offset)
+
+
+@dataclass
+class Lineage:
+    steps: dict[int, Metrics] = field(default_factory=dict)  # the lineage: each step's record that counts
+    step_records: int = 0  # trainer step records seen (a redone step is there twice)
+    drops: dict[str, Dropped] = field(default_factory=dict)  # each dropped group's first drop
+    emitted: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> its first buffer.groups record
+
+    def observe(self, record: Record, at: Position) -> None:
+        """One record of buffer.metrics, buffer.dropped or buffer.groups (others are ignored).
+
+        Drops: the first wins. It is when and why the group left the loop: its credit came back then,
+        and nothing of a later drop reached the trainer. A later drop is an echo of a re-delivered input;
+        letting it win would move the drop to a restart's time and change its reason or dropper after
+        the fact, so a live monitor and the finished log would disagree on what was already counted.
+        """
+        if isinstance(record, Metrics) and record.source == "trainer":
+            self.steps[record.step] = record  # offset order: a redone step's later record wins
+            self.step_records += 1
+        elif isinstance(record, Dropped):
+            self.drops.setdefault(record.group_id, record)
+        elif isinstance(record, GroupSample):
+            self.observe_emission(record.group_id, at)
+
+    def observe_emission(self, group_id: str, at: Position) -> None:
+        """A buffer.groups record of ``group_id``, for a reader that decodes only group ids."""
+        self.emitted.setdefault(group_id, (at.partition, at.offset))  # a re-emission is the same group
+
+    def drop_reasons(self) -> dict[str, int]:
+        """Dropped groups per reason, each group once."""
+        return dict(collections.Counter(d.reason for d in self.drops.values()))
+
+    def trainer_steps(self) -> list[Metrics]:
+        return [self.steps[step] for step in sorted(self.steps)]
+
+    def training(self) -> dict[str, list[tuple[int, int | None]]]:
+        """Per trained group, (step, staleness) of every lineage step that trained it (one, unless duplicated)."""
+        out: dict[str, list[tuple[int, int | None]]] = {}
+        for record in self.trainer_steps():
+            lags = record.group_staleness[:len(record.group_ids)]  # missing figures: the groups still count
+            for group_id, lag in itertools.zip_longest(record.group_ids, lags):
+                out.setdefault(group_id, []).append((record.step, lag))
+        return out
+
+    def trained_twice(self) -> list[str]:
+        return sorted(g for g, steps in self.training().items() if len(steps) > 1)
+
+    def trained_and_dropped(self) -> list[str]:
+        return sorted(self.training().keys() & self.drops.keys())
+
+    def missing_steps(self) -> list[int]:
+        return [s for s in range(1, max(self.steps, default=0) + 1) if s not in self.steps]
+
+    def fates(self, trainer: TrainerPosition | None = None) -> dict[str, GroupFate]:
+        """The fate of every group the log names as emitted, dropped or trained (see the module docstring)."""
+        training = self.training()
+        fates = {}
+        for group_id in self.emitted.keys() | self.drops.keys() | training.keys():
+            at = self.emitted.get(group_id)
+            if group_id in training:
+                step, lag = training[group_id][-1]
+                fates[group_id] = GroupFate(TRAINED, step, lag, emitted_at=at)
+            elif group_id in self.drops:
+                fates[group_id] = GroupFate(DROPPED, drop=self.drops[group_id], emitted_at=at)
+            else:
+                fates[group_id] = GroupFate(BUFFERED if _waiting(group_id, at, trainer) else LOST, emitted_at=at)
+        return fates
+
+
+def _waiting(group_id: str, at: tuple[int, int], trainer: TrainerPosition | None) -> bool:
+    """Whether an emitted group without an outcome was still to be read by the trainer."""
+    if trainer is None:
+        return True
+    partition, offset = at
+    return group_id not in trainer.seen_groups and offset >= trainer.offsets.get(partition, 0)
+
+
+def lineage_of(messages: Iterable[LoggedMessage[Record]]) -> Lineage:
+    """The lineage of finished log messages, each topic in offset order."""
+    lineage = Lineage()
+    for message in messages:
+        for record in message.records:
+            lineage.observe(record, message.position)
+    return lineage

@@ -1,0 +1,212 @@
+"""The buffer ledger: every Redis key and script of the buffer, and the invariant they keep.
+
+    credit available + groups held = capacity
+
+A rollout worker takes one credit before it admits a prompt (one group); the group holds it until it
+leaves the system: trained or dropped by the trainer, or dropped by the processor. So groups in
+flight plus groups buffered never exceed the capacity, and a paused trainer stalls rollout.
+
+What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix`` name the run):
+
+- credit: the credits available.
+- queue: the groups on buffer.groups that the trainer has not taken yet, a hash of group id -> the
+  group's oldest token version, so anyone can tell the queue size and the staleness of what waits.
+- settlements: whether the processor is sending a group or has settled it (emitted or dropped), and
+  the processor's totals over the run. Settling a group and its credit accounting are one atomic
+  step: an emitted group joins the queue, a dropped one gives its credit back, and a group settled
+  before (re-sent after a processor restart) counts nothing.
+- taken early: the trainer can read a group before the processor has settled it (settling follows
+  the broker's delivery report); such a group is noted, and settling it gives its credit back
+  instead of queuing it. Either way, and however often the trainer takes it, the credit comes back once.
+- the prompt feeder's position: prompts published, and prompts admitted by the workers.
+
+A resumed run finds these keys as the stopped run left them; ``reconcile`` rewrites them from the log
+after the broker was lost (log/restore.py derives the figures).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import redis
+
+from milestream.config import Config
+
+SENDING, SETTLED = "sending", "settled"
+EMITTED = "emitted"  # a settlement's outcome; any other outcome is a drop reason
+
+_TAKE = """
+local available = tonumber(redis.call('GET', KEYS[1]) or '0')
+if available >= tonumber(ARGV[1]) then
+  return redis.call('DECRBY', KEYS[1], ARGV[1])
+end
+return -1
+"""
+
+# KEYS: settlements, totals. ARGV: group id. Returns the state before (nil: first attempt).
+_BEGIN = """
+local previous = redis.call('HGET', KEYS[1], ARGV[1])
+if previous == 'settled' then return previous end
+if previous == 'sending' then redis.call('HINCRBY', KEYS[2], 'groups_resent', 1) end
+redis.call('HSET', KEYS[1], ARGV[1], 'sending')
+return previous
+"""
+
+# KEYS: settlements, totals, credit, queue, taken early. ARGV: group id, "emitted" or the drop
+# reason, the group's oldest token version. 1: this call settled the group, 0: it was settled before.
+_SETTLE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == 'settled' then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], 'settled')
+local taken_early = redis.call('SREM', KEYS[5], ARGV[1]) == 1
+if ARGV[2] == 'emitted' then
+  if taken_early then
+    redis.call('INCR', KEYS[3])
+  else
+    redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+  end
+  redis.call('HINCRBY', KEYS[2], 'groups_out', 1)
+else
+  redis.call('INCR', KEYS[3])
+  redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[2], 1)
+end
+return 1
+"""
+
+# KEYS: queue, credit, taken early, settlements. ARGV: group id. 1: left now, 0: had left before.
+_LEAVE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
+  redis.call('INCR', KEYS[2])
+  return 1
+end
+if redis.call('HGET', KEYS[4], ARGV[1]) ~= 'settled' then
+  return redis.call('SADD', KEYS[3], ARGV[1])
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class LedgerKeys:
+    """The Redis key of each part of one run's ledger (the layout resumed runs rely on)."""
+
+    credit: str
+    queue: str  # hash: group id -> oldest token version
+    taken_early: str  # set of group ids
+    settlements: str  # hash: group id -> SENDING / SETTLED
+    totals: str  # hash: the processor's counts over the run
+    prompts_admitted: str
+    prompts_published: str
+
+    @classmethod
+    def of(cls, cfg: Config) -> "LedgerKeys":
+        namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
+        return cls(namespace + "credit", namespace + "queued", namespace + "taken-early",
+                   namespace + "processor-groups", namespace + "processor-totals",
+                   namespace + "prompts-admitted", namespace + "prompts-published")
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """What a resumed run's ledger is rewritten to (see log/restore.py ``derive_accounting``)."""
+
+    credit: int
+    queue: Mapping[str, int]  # group id -> oldest token version
+    prompts_admitted: int
+    unsettled: tuple[str, ...] = ()  # groups to forget as settled: the processor redoes them
+
+
+class BufferLedger:
+    def __init__(self, cfg: Config):
+        self.client = redis.Redis.from_url(cfg.redis.url, socket_timeout=10)
+        self.keys = LedgerKeys.of(cfg)
+        self.capacity = cfg.buffer_capacity
+        self._take = self.client.register_script(_TAKE)
+        self._begin = self.client.register_script(_BEGIN)
+        self._settle = self.client.register_script(_SETTLE)
+        self._leave = self.client.register_script(_LEAVE)
+
+    def initialise(self) -> None:
+        """Set the credit to the full capacity, unless a run already holds it (restart keeps it)."""
+        self.client.set(self.keys.credit, self.capacity, nx=True)
+
+    # rollout workers: a credit per admitted group
+    def try_take(self, groups: int = 1) -> bool:
+        return int(self._take(keys=[self.keys.credit], args=[groups])) >= 0
+
+    def give_back(self, groups: int = 1) -> None:
+        """Credit taken for a group that was never admitted (no prompt came)."""
+        self.client.incrby(self.keys.credit, groups)
+
+    def available(self) -> int:
+        return int(self.client.get(self.keys.credit) or 0)
+
+    # the processor: each group settled once
+    def settlement(self, group_id: str) -> str | None:
+        """SENDING, SETTLED, or None when the processor never began to send the group."""
+        return _text(self.client.hget(self.keys.settlements, group_id))
+
+    def begin_sending(self, group_id: str) -> str | None:
+        """Mark the group as being sent; returns its state before (SENDING: an earlier life sent it)."""
+        return _text(self._begin(keys=[self.keys.settlements, self.keys.totals], args=[group_id]))
+
+    def settle(self, group_id: str, outcome: str, oldest_version: int = -1) -> bool:
+        """``outcome``: EMITTED or the drop reason. False when the group had been settled before."""
+        keys = [self.keys.settlements, self.keys.totals, self.keys.credit, self.keys.queue, self.keys.taken_early]
+        return bool(self._settle(keys=keys, args=[group_id, outcome, oldest_version]))
+
+    def settled_or_sending(self) -> set[str]:
+        """Every group the processor has begun to send, in any of its lives."""
+        return {key.decode() for key in self.client.hkeys(self.keys.settlements)}
+
+    def run_totals(self) -> dict[str, int]:
+        """The processor's counts over the whole run, across its restarts."""
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.totals).items()}
+
+    # the trainer: a group leaves the queue, and gives its credit back, once
+    def leave(self, group_id: str) -> bool:
+        """The trainer took or dropped the group. False when it had left before."""
+        keys = [self.keys.queue, self.keys.credit, self.keys.taken_early, self.keys.settlements]
+        return bool(self._leave(keys=keys, args=[group_id]))
+
+    def queued(self) -> int:
+        return int(self.client.hlen(self.keys.queue))
+
+    def queued_versions(self) -> list[int]:
+        """The oldest token version of each group in the queue."""
+        return [int(v) for v in self.client.hvals(self.keys.queue)]
+
+    def figures(self, version: int) -> dict[str, float]:
+        """Credit available, queue size and the staleness at ``version`` of the groups waiting in it."""
+        lags = [version - oldest for oldest in self.queued_versions()]
+        return {"queue_size": float(len(lags)), "queue_staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+                "queue_staleness_max": float(max(lags, default=0)), "credit_available": float(self.available())}
+
+    # the prompt feeder keeps a bounded look-ahead of prompts beyond what workers have admitted
+    def prompt_admitted(self) -> None:
+        self.client.incr(self.keys.prompts_admitted)
+
+    def prompts_admitted(self) -> int:
+        return int(self.client.get(self.keys.prompts_admitted) or 0)
+
+    def prompts_published(self) -> int:
+        return int(self.client.get(self.keys.prompts_published) or 0)
+
+    def set_prompts_published(self, position: int) -> None:
+        self.client.set(self.keys.prompts_published, position)
+
+    # a run resumed after its broker was lost
+    def reconcile(self, figures: Reconciled) -> None:
+        """Rewrite the ledger in one transaction; call with every stage stopped."""
+        with self.client.pipeline(transaction=True) as tx:
+            tx.set(self.keys.credit, figures.credit)
+            tx.delete(self.keys.queue, self.keys.taken_early)
+            if figures.queue:
+                tx.hset(self.keys.queue, mapping=dict(figures.queue))
+            tx.set(self.keys.prompts_admitted, figures.prompts_admitted)
+            if figures.unsettled:
+                tx.hdel(self.keys.settlements, *figures.unsettled)
+            tx.execute()
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode() if value is not None else None

