@@ -1,14 +1,14 @@
 """Backpressure in the running loop: a paused trainer stalls rollout, and the buffer stays bounded."""
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import start_stages
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger
+
+from holds import Holds
 
 
 def wait_for(condition, timeout: float = 180.0, what: str = "condition") -> None:
@@ -19,11 +19,13 @@ def wait_for(condition, timeout: float = 180.0, what: str = "condition") -> None
         time.sleep(0.5)
 
 
-def test_paused_trainer_stalls_rollout_within_capacity(cfg, tmp_path):
+def test_paused_trainer_stalls_rollout_within_capacity(cfg, tmp_path, monkeypatch):
     cfg = cfg.with_overrides(trainer={"steps": 3})
     config_path = tmp_path / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     (tmp_path / "logs").mkdir()
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("trainer.collected")  # paused with its first batch taken, before its first step
     children, trainer = start_stages(cfg, config_path, tmp_path / "logs")
     credit = BufferLedger(cfg)
     groups = RecordConsumer(cfg.broker, topics.GROUPS, "audit").assign(partitions=range(cfg.broker.partitions))
@@ -33,27 +35,28 @@ def test_paused_trainer_stalls_rollout_within_capacity(cfg, tmp_path):
         emitted.update(d.records[0].group_id for d in groups.drain(idle_s=0.2, max_wait_s=5))
         return len(emitted)
 
+    taken = cfg.trainer.batch_groups  # by the paused trainer; their credit came back
+    held_by = None
     try:
-        # stopped before it can take a group (stopping it after the first admission raced with a
-        # trainer that, on a loaded machine, had already trained two steps by then)
-        os.kill(trainer.proc.pid, signal.SIGSTOP)
-        # with the trainer stopped, rollout fills the buffer to capacity and then admits nothing more
+        held_by = holds.wait_held("trainer.collected", 180)
+        # with the trainer paused, rollout fills the buffer to capacity and then admits nothing more
         # (a worker holds a credit for a moment while it polls for a prompt: wait for the admissions too)
-        wait_for(lambda: credit.prompts_admitted() >= cfg.buffer_capacity and credit.available() == 0,
+        wait_for(lambda: credit.prompts_admitted() >= cfg.buffer_capacity + taken and credit.available() == 0,
                  what="credit exhausted")
         admitted = credit.prompts_admitted()
+        assert admitted == cfg.buffer_capacity + taken
         for _ in range(10):  # 10 s of watching: nothing new is admitted, the buffer never exceeds capacity
             time.sleep(1.0)
             assert credit.prompts_admitted() == admitted
             assert credit.queued() <= cfg.buffer_capacity
-            assert count_emitted() <= cfg.buffer_capacity  # nothing was taken, so nothing beyond capacity
-        os.kill(trainer.proc.pid, signal.SIGCONT)
+            assert count_emitted() <= cfg.buffer_capacity + taken  # nothing more was taken
+        holds.release("trainer.collected", held_by)
         trainer.proc.wait(300)
         assert trainer.proc.returncode == 0
         assert credit.prompts_admitted() > admitted  # rollout resumed once the trainer took groups
     finally:
-        if trainer.proc.poll() is None:
-            os.kill(trainer.proc.pid, signal.SIGCONT)
+        if held_by is not None:
+            holds.release("trainer.collected", held_by)
         for child in reversed(children):
             child.stop()
         groups.close()

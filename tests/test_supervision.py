@@ -1,8 +1,9 @@
 """``milestream run`` under crashes: the stream processor SIGKILLed at several points while the whole
 loop runs, then the embedded broker SIGKILLed (not a planned stop: the archive may miss its last
-records); in another run the trainer SIGKILLed at random points, ten times. The run supervises them
-all, finishes its steps, and its log shows every group that entered trained or dropped exactly once
-(after de-duplication by group id), or still waiting in the buffer.
+records); in another run the trainer SIGKILLed ten times, each time held at a named point of a step
+(milestream/infra/faults.py). The run supervises them all, finishes its steps, and its log shows
+every group that entered trained or dropped exactly once (after de-duplication by group id), or
+still waiting in the buffer. Holds, not timing, keep each run going until its last crash.
 """
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import collections
 import json
 import subprocess
 import sys
-import random
 import threading
 import time
 from pathlib import Path
 
 from milestream.config import load_config
 from chaos import pids, sigkill, stage_pids
+from holds import Holds
 from milestream.train import checkpoint
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import read_archive
@@ -27,11 +28,18 @@ from milestream.schemas import topics
 PROCESSOR_KILLS_AT_GROUPS = (2, 5, 8)  # SIGKILL the processor once this many groups have been emitted
 
 
+def running(runner: threading.Thread, what: str):
+    """A check for waits: raises once the run has ended, as what it waits for will then never come."""
+    def check() -> None:
+        if not runner.is_alive():
+            raise AssertionError(f"the run ended while waiting for {what}")
+    return check
+
+
 def wait_for(condition, timeout_s: float, what: str, runner: threading.Thread) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        if not runner.is_alive():
-            raise AssertionError(f"the run ended while waiting for {what}")
+        running(runner, what)()
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(0.3)
@@ -74,16 +82,21 @@ def print_logs_unless_done(run_dir: Path, outcome: dict) -> None:
         print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
 
 
-def test_run_survives_processor_kills_and_a_broker_crash(cfg):
+def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypatch):
     cfg = cfg.with_overrides(broker={"bootstrap_servers": None},  # its own embedded broker, to crash
                              trainer={"steps": 8, "checkpoint_every": 1},
                              buffer={"incomplete_after_s": 20.0},
                              run={"max_wall_s": 400, "max_restarts": 5})
     run_dir = Path(cfg.run.run_dir)
+    # the trainer holds as it collects step 4's batch, three checkpoints written: the run cannot end
+    # before the processor kills (the 8th group emitted is one it collects) and the broker crash
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("trainer.collected", at_pass=4)
     runner, outcome = start_run(cfg)
     config_path = run_dir / "config.yaml"
     try:
-        wait_for(config_path.exists, 120, "the run's configuration", runner)
+        # the stages start once their configuration is written whole: read it then, not when it appears
+        wait_for(lambda: stage_pids(config_path, "process"), 120, "the run's stages", runner)
         live = load_config(config_path)
         emitted_so_far = EmittedGroups(live)
         for groups in PROCESSOR_KILLS_AT_GROUPS:
@@ -93,10 +106,12 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg):
             sigkill(victim)
             wait_for(lambda: [p for p in stage_pids(config_path, "process") if p != victim], 60,
                      "the processor started again", runner)
-        wait_for(lambda: checkpoint.latest_step(run_dir) >= 3, 300, "three trainer steps", runner)
+        trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer held at step 4"))
+        assert checkpoint.latest_step(run_dir) >= 3
         emitted_so_far.reader.close()
         port = live.broker.bootstrap_servers.rsplit(":", 1)[1]
         sigkill(pids("broker", f"tcp://127.0.0.1:{port}")[0])
+        holds.release("trainer.collected", trainer)  # it meets the lost broker, as a running step would
         runner.join(600)
     finally:
         print_logs_unless_done(run_dir, outcome)
@@ -125,32 +140,36 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg):
           f"{collections.Counter(dropped.values())}, {len(emitted - trained.keys() - dropped.keys())} left buffered")
 
 
-TRAINER_KILLS = 10
+# Where each life of the trainer is SIGKILLed: held at a point of a step, at its N-th pass in that
+# life. A life killed at pass N has checkpointed N - 1 steps since it resumed: 6 in all, so the
+# run (12 steps) is still going at the last kill. Pass 1 of trainer.collected is just after start-up.
+TRAINER_KILLS = (("trainer.published", 2), ("trainer.checkpoint_written", 1), ("trainer.collected", 2),
+                 ("trainer.collected", 1), ("trainer.published", 1), ("trainer.checkpoint_written", 2),
+                 ("trainer.collected", 3), ("trainer.published", 1), ("trainer.checkpoint_written", 1),
+                 ("trainer.collected", 2))
 
 
-def test_trainer_killed_at_random_points_loses_no_group_and_trains_none_twice(cfg):
-    cfg = cfg.with_overrides(trainer={"steps": 2 * TRAINER_KILLS + 4, "checkpoint_every": 1},
-                             run={"max_wall_s": 600, "max_restarts": TRAINER_KILLS + 2})
+def test_trainer_killed_at_every_point_of_a_step_loses_no_group_and_trains_none_twice(cfg, tmp_path, monkeypatch):
+    cfg = cfg.with_overrides(trainer={"steps": 12, "checkpoint_every": 1},
+                             run={"max_wall_s": 600, "max_restarts": len(TRAINER_KILLS) + 2})
     run_dir = Path(cfg.run.run_dir)
-    rng = random.Random(3)
+    assert sum(at_pass - 1 for _, at_pass in TRAINER_KILLS) < cfg.trainer.steps
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm(*TRAINER_KILLS[0])
     runner, outcome = start_run(cfg)
-    config_path = run_dir / "config.yaml"
     try:
-        wait_for(config_path.exists, 120, "the run's configuration", runner)
-        for kill_number in range(TRAINER_KILLS):
-            progress = checkpoint.latest_step(run_dir)
-            # somewhere in a step, its publication, its checkpoint, or the start-up after a kill
-            wait_for(lambda: checkpoint.latest_step(run_dir) > progress and stage_pids(config_path, "train"), 300,
-                     f"trainer progress before kill {kill_number + 1}", runner)
-            time.sleep(rng.uniform(0.0, 0.5))
-            for pid in stage_pids(config_path, "train"):
-                sigkill(pid)
+        for number, (point, _) in enumerate(TRAINER_KILLS, start=1):
+            pid = holds.wait_held(point, 300, running(runner, f"the trainer held at {point} for kill {number}"))
+            if number < len(TRAINER_KILLS):  # armed before this kill: the next life cannot pass it unarmed
+                holds.arm(*TRAINER_KILLS[number])
+            sigkill(pid)
+            holds.release(point, pid)
         runner.join(600)
     finally:
         print_logs_unless_done(run_dir, outcome)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["summary"]["steps"] == cfg.trainer.steps
-    assert (run_dir / "logs" / "trainer.log").read_text().count("==== life") >= TRAINER_KILLS + 1
+    assert (run_dir / "logs" / "trainer.log").read_text().count("==== life") >= len(TRAINER_KILLS) + 1
 
     audit = audit_run(run_dir)
     print(audit)

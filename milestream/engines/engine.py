@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from milestream.config import ModelConfig, RolloutConfig
+from milestream.infra import faults
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict, stop_token_ids
 from milestream.engines.moe_routing import RecordedRouting, RoutingTap, RowRouting
 
@@ -255,6 +256,7 @@ class CpuEngine:
                 with self._cond:
                     self._stepping = False
                     self._cond.notify_all()
+            faults.hold("engine.stepped")
         with self._cond:
             rows = list(self._pending) + (self._batch.rows if self._batch else [])
             self._pending.clear()

@@ -20,6 +20,7 @@ from typing import Protocol
 from milestream.config import Config
 from milestream.engines.engine import CpuEngine, Engine, sampling_params
 from milestream.engines.moe_routing import routing_records
+from milestream.infra import faults
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.infra.offsets import HeldOffsets
@@ -158,6 +159,7 @@ class RolloutWorker:
             async for index, sample, reward in self.layers.rollout(self.ctx, group.task):
                 self._publish(group, index, sample, reward)
                 self.samples_done += 1
+                faults.hold("worker.sample_published")
         finally:
             group.task.admitted.set()
             if self.group_refill:

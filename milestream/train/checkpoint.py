@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from milestream.infra import faults
+
 
 @dataclass
 class TrainerState:
@@ -39,6 +41,7 @@ def save(run_dir: str | Path, state: TrainerState, learner_state: dict, keep: in
                   "seen_groups": sorted(state.seen_groups)},
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }, tmp / "checkpoint.pt")
+    faults.hold("trainer.checkpoint_written")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _write_latest(root, final.name)

@@ -21,6 +21,7 @@ from milestream.config import Config
 from milestream.train import checkpoint
 from milestream.train.collector import GroupCollector
 from milestream.train.learner import CollectedGroup, Learner
+from milestream.infra import faults
 from milestream.infra.kafka import Admin, RecordProducer
 from milestream.infra.model import configure_process
 from milestream.schemas import topics
@@ -65,6 +66,7 @@ class Trainer:
             if batch is None:  # the leader is stopping: so is every rank, in step
                 self.stopping = True
                 break
+            faults.hold("trainer.collected")
             figures = self.learner.train_step(batch)
             self.state.step += 1
             self.state.version += 1
@@ -75,6 +77,7 @@ class Trainer:
                 # step killed before its checkpoint is redone after resume and published again; the
                 # later record of a step is the one of the run's lineage (log/lineage.py)
                 self._publish_metrics(batch, {**figures, "step_s": time.monotonic() - started})
+                faults.hold("trainer.published")
             if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
                 self.save()
         if self.stopping and self.state.step % self.cfg.trainer.checkpoint_every:

@@ -11,6 +11,8 @@ from milestream.config import ModelConfig
 from milestream.infra.model import load_model, trainable_state_dict
 from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
 
+from holds import Holds
+
 MakeEngine = Callable[..., CpuEngine]
 
 
@@ -142,19 +144,21 @@ def test_pause_holds_new_steps_until_resume(make_engine: MakeEngine) -> None:
     asyncio.run(run())
 
 
-def test_close_aborts_requests_in_flight(make_engine: MakeEngine) -> None:
+def test_close_aborts_requests_in_flight(make_engine: MakeEngine, holds: Holds) -> None:
     engine = make_engine()
 
     async def run() -> GenerateResult:
+        holds.arm("engine.stepped")
         task = asyncio.create_task(engine.generate(request("c", (1, 2), 1000)))
-        await asyncio.sleep(0.05)
-        await engine.pause()  # so the request cannot finish before close, however slow the machine
+        held_by = await asyncio.to_thread(holds.wait_held, "engine.stepped", 120)  # its first token out
+        await engine.pause()  # no step runs between the release and close
+        holds.release("engine.stepped", held_by)
         await engine.close()
         return await task
 
     result = asyncio.run(run())
     assert result.finish_reason == "abort"
-    assert len(result.output_ids) < 1000
+    assert len(result.output_ids) == 1
     with pytest.raises(RuntimeError, match="closed"):
         asyncio.run(engine.generate(request("late", (1,), 1)))
 

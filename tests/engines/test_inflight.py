@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from holds import Holds
 from test_engine import reference_logprobs, request
 
 from milestream.config import ModelConfig
@@ -18,7 +19,8 @@ from milestream.producers.worker import STATUS
 
 MakeEngine = Callable[..., CpuEngine]
 PROMPTS = {"a": (3, 4, 5), "b": (3, 4, 5), "c": (9, 8, 7, 6, 5, 4)}  # a and b share a prompt
-LONG = 300  # long enough that no request finishes before the update lands, even on a loaded machine
+LONG = 24
+AT_STEP = 3  # the update lands between the engine's 3rd and 4th steps: every request then holds 3 tokens
 
 
 def new_weights(engine: CpuEngine) -> dict[str, torch.Tensor]:
@@ -26,45 +28,50 @@ def new_weights(engine: CpuEngine) -> dict[str, torch.Tensor]:
     return {name: t + 0.5 * torch.randn(t.shape) for name, t in trainable_state_dict(engine.model).items()}
 
 
-def update_mid_generation(engine: CpuEngine, update: dict[str, torch.Tensor]) -> list[GenerateResult]:
-    """Long requests running; once a short one finished (so they hold tokens), version 1 lands."""
+def update_mid_generation(engine: CpuEngine, update: dict[str, torch.Tensor], holds: Holds) -> list[GenerateResult]:
+    """The requests join one step; the engine is held after its AT_STEP-th step while version 1 lands."""
 
     async def run() -> list[GenerateResult]:
+        await engine.pause()  # queued while paused: all of them join the first step
         long = [asyncio.create_task(engine.generate(request(rid, prompt, LONG, temperature=1.0)))
                 for rid, prompt in PROMPTS.items()]
-        await engine.generate(request("short", PROMPTS["a"], 3))
+        await asyncio.sleep(0)  # each task runs to its first await: its request is queued
+        holds.arm("engine.stepped", at_pass=AT_STEP)
+        await engine.resume()
+        held_by = await asyncio.to_thread(holds.wait_held, "engine.stepped", 120)
         await engine.update_weights(1, update)
+        holds.release("engine.stepped", held_by)
         return list(await asyncio.gather(*long))
 
     return asyncio.run(run())
 
 
 def split(result: GenerateResult) -> int:
-    """Where version 1 starts; asserts the versions are 0 then 1, nothing else."""
+    """Where version 1 starts; asserts the versions are 0 then 1, nothing else, switching at AT_STEP."""
     switch = result.versions.index(1)
     assert result.versions == (0,) * switch + (1,) * (len(result.versions) - switch)
+    assert switch == AT_STEP
     return switch
 
 
-def test_abort_ends_requests_in_flight_as_aborted(make_engine: MakeEngine) -> None:
+def test_abort_ends_requests_in_flight_as_aborted(make_engine: MakeEngine, holds: Holds) -> None:
     engine = make_engine(inflight="abort")
-    results = update_mid_generation(engine, new_weights(engine))
+    results = update_mid_generation(engine, new_weights(engine), holds)
     for result in results:
         assert result.finish_reason == "abort" and STATUS[result.finish_reason] == "aborted"
-        assert 3 <= len(result.output_ids) < LONG
+        assert len(result.output_ids) == AT_STEP
         assert set(result.versions) == {0}  # nothing was generated on the new weights
     after = asyncio.run(engine.generate(request("after", PROMPTS["a"], 4)))
     assert after.finish_reason == "length" and after.versions == (1,) * 4
 
 
-def test_keep_continues_in_place_with_mixed_versions(make_engine: MakeEngine) -> None:
+def test_keep_continues_in_place_with_mixed_versions(make_engine: MakeEngine, holds: Holds) -> None:
     engine = make_engine(inflight="keep")
-    results = update_mid_generation(engine, new_weights(engine))
+    results = update_mid_generation(engine, new_weights(engine), holds)
     stale = 0
     for rid, result in zip(PROMPTS, results):
         assert result.finish_reason == "length" and len(result.output_ids) == LONG
         switch = split(result)
-        assert 3 <= switch < LONG
         # the new weights attend over a KV cache the old weights computed: not what a fresh
         # forward of the new model gives (which is what retract restores)
         fresh = reference_logprobs(engine, request(rid, PROMPTS[rid], LONG), result)
@@ -73,18 +80,17 @@ def test_keep_continues_in_place_with_mixed_versions(make_engine: MakeEngine) ->
 
 
 def test_retract_resumes_on_the_new_weights_with_versions_split_at_the_update(
-        make_engine: MakeEngine, tiny_cfg: ModelConfig) -> None:
+        make_engine: MakeEngine, tiny_cfg: ModelConfig, holds: Holds) -> None:
     engine = make_engine(inflight="retract")
     old = SimpleNamespace(model=load_model(tiny_cfg, dtype=torch.float32))  # the engine's version-0 weights
-    results = update_mid_generation(engine, new_weights(engine))
+    results = update_mid_generation(engine, new_weights(engine), holds)
     for rid, result in zip(PROMPTS, results):
         assert result.finish_reason == "length" and len(result.output_ids) == LONG
         switch = split(result)
-        assert 3 <= switch < LONG
         req = request(rid, PROMPTS[rid], LONG)
         # tokens before the update are the old model's, those after the new model's over the
         # whole context (re-prefilled), each to 1e-3 (cached decoding against one full forward
-        # rounds differently over a few hundred tokens; the two models differ by far more)
+        # rounds differently over the tokens; the two models differ by far more)
         torch.testing.assert_close(torch.tensor(result.logprobs[:switch]),
                                    reference_logprobs(old, req, result)[:switch], atol=1e-3, rtol=0)
         torch.testing.assert_close(torch.tensor(result.logprobs[switch:]),

@@ -27,6 +27,8 @@ from milestream.schemas import topics
 from milestream.schemas.records import WeightVersion
 from milestream.streams.weights import publish_version
 
+from holds import Holds
+
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
 
 
@@ -156,7 +158,8 @@ def test_external_evaluator_loads_an_hf_folder_and_a_failing_one_is_skipped(cfg,
     assert json.loads(by_name["heldout/version"].detail)["folder"] == str(exported / "v000004")
 
 
-def test_shared_engine_pauses_new_submissions_and_aborts_nothing_in_flight(cfg):
+def test_shared_engine_pauses_new_submissions_and_aborts_nothing_in_flight(cfg, tmp_path, monkeypatch):
+    holds = Holds.enable(monkeypatch, tmp_path)
     cfg = eval_cfg(cfg, mode="shared", shared_worker="w-eval")
     tokenizer = load_tokenizer(cfg.model)
     tensors = publish_versions(cfg, range(1, 3))
@@ -168,12 +171,15 @@ def test_shared_engine_pauses_new_submissions_and_aborts_nothing_in_flight(cfg):
         await engine.update_weights(2, tensors[2])
         assert await evaluation.after_version(engine, 1, 1) == []  # not due: nothing runs
         long = GenerateRequest("in-flight", (1, 2, 3), SamplingParams(max_new_tokens=120, temperature=1.0))
+        holds.arm("engine.stepped")
         in_flight = asyncio.create_task(engine.generate(long))
-        await asyncio.sleep(0)  # submitted before the evaluation starts
+        # held after the in-flight request's first token: it is decoding when the evaluation starts
+        held_by = await asyncio.to_thread(holds.wait_held, "engine.stepped", 120)
         running = asyncio.create_task(evaluation.after_version(engine, 2, 2))
         await asyncio.sleep(0)
         waiting = asyncio.create_task(evaluation.admission())
-        assert evaluation.evaluating and not in_flight.done()  # 120 tokens: still decoding beside the evaluation
+        assert evaluation.evaluating and not in_flight.done()
+        holds.release("engine.stepped", held_by)  # it goes on decoding beside the evaluation
         while evaluation.evaluating:
             assert not waiting.done()  # a new submission waits for the whole evaluation
             await asyncio.sleep(0.01)

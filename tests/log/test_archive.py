@@ -21,6 +21,9 @@ from milestream.schemas import topics
 from milestream.schemas.records import Metrics, Prompt
 from milestream.streams.ledger import BufferLedger
 
+from holds import Holds
+
+HELD_AT_SAMPLE = 30  # the rollout worker holds after this many samples: no multiple of the group size
 RawRecord = tuple[bytes | None, bytes | None, tuple, tuple[int, int]]
 
 
@@ -123,12 +126,16 @@ def test_replay_cli_describes_and_republishes(cfg, tmp_path):
 
 # ---- a run whose broker restarts mid-run resumes from the archive ------------------------------
 
+def assert_running(children, what: str) -> None:
+    for child in children:
+        if child.proc.poll() is not None:
+            raise AssertionError(f"{child.name} exited ({child.proc.returncode}) while waiting for {what}")
+
+
 def wait_until(condition, timeout_s: float, what: str, children=()) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        for child in children:
-            if child.proc.poll() is not None:
-                raise AssertionError(f"{child.name} exited ({child.proc.returncode}) while waiting for {what}")
+        assert_running(children, what)
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(0.5)
@@ -174,20 +181,22 @@ def stop_life(children) -> None:
         assert child.proc.returncode in (0, -15, -9), f"{child.name} exited with {child.proc.returncode}:\n{child.tail()}"
 
 
-def kill_rollout_mid_group(cfg, children) -> None:
-    """SIGKILL the rollout workers as soon as a group is half published, as a crash would leave it:
-    some samples on the log, the rest never generated, the prompt's offset not committed."""
+def kill_rollout_mid_group(cfg, children, holds: Holds) -> None:
+    """SIGKILL the rollout worker held after its HELD_AT_SAMPLE-th sample, with a group half published
+    as a crash would leave it: some samples on the log, the rest never generated, the prompt's offset
+    not committed. The worker cannot finish that group while it holds."""
     from milestream.infra.kafka import RecordConsumer
 
+    holds.wait_held("worker.sample_published", 300, lambda: assert_running(children, "the held worker"))
     reader = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))
     samples: collections.Counter[str] = collections.Counter()
 
-    def half_published() -> bool:
+    def half_published() -> bool:  # the held worker's samples reach the topic; no more come
         samples.update(t.group_id for d in reader.drain(0.05, 1.0) for t in d.records)
-        return any(0 < n < cfg.rollout.group_size for n in samples.values())
+        return sum(samples.values()) == HELD_AT_SAMPLE and any(0 < n < cfg.rollout.group_size for n in samples.values())
 
     try:
-        wait_until(half_published, 300, "a half-published group", children)
+        wait_until(half_published, 60, "the held worker's samples, one group half published", children)
     finally:
         reader.close()
     for child in (c for c in children if c.name.startswith("rollout")):
@@ -226,16 +235,16 @@ def audit_archive(run_dir: Path, entered: set[str]) -> None:
     assert not lineage.trained_twice()  # the resumed trainer did not train a group again
 
 
-def test_run_survives_broker_restart(cfg, tmp_path):
+def test_run_survives_broker_restart(cfg, tmp_path, monkeypatch):
     from milestream.train import checkpoint
     from milestream.log.restore import resume
 
     broker = EmbeddedBroker().start()
-    # two samples at a time: a group is half published for half its generation, so the crash below
-    # catches one mid-way
     run = cfg.with_overrides(broker={"bootstrap_servers": broker.bootstrap_servers},
-                             rollout={"max_inflight_samples": 2},
                              trainer={"steps": 40, "checkpoint_every": 1}, run={"max_wall_s": 600})
+    assert HELD_AT_SAMPLE % run.rollout.group_size and run.rollout.num_workers == 1
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("worker.sample_published", at_pass=HELD_AT_SAMPLE)
     run_dir = Path(run.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
@@ -243,9 +252,11 @@ def test_run_survives_broker_restart(cfg, tmp_path):
     children: list = []
     try:
         children, trainer = start_life(run, config_path, run_dir, 1)
+        # the worker holds once it has admitted 8 groups, which the credit (4) allowed only after the
+        # trainer took 4, none of them stale (versions 0 and 1): two steps come, and no more groups
         wait_until(lambda: (checkpoint.load_latest(run_dir) or {"state": {"step": 0}})["state"]["step"] >= 2,
                    400, "two trainer steps before the restart", children)
-        kill_rollout_mid_group(run, children)
+        kill_rollout_mid_group(run, children, holds)
         stop_life(children)
         entered = {t.group_id for t in archived_records(run_dir, topics.TRAJECTORIES)}
         resumed_from = checkpoint.load_latest(run_dir)["state"]["step"]
@@ -268,7 +279,12 @@ def test_run_survives_broker_restart(cfg, tmp_path):
             return not entered - (lineage.training().keys() | lineage.drops.keys()) \
                 and max(lineage.steps, default=0) >= resumed_from + 2
 
-        wait_until(settled, 500, "every group that entered before the restart to be trained or dropped", children)
+        # a trainer done with all its steps has trained all it will: settled by then, or never
+        wait_until(lambda: trainer.proc.poll() is not None or settled(), 500,
+                   "every group that entered before the restart to be trained or dropped",
+                   [c for c in children if c is not trainer])
+        assert trainer.proc.returncode in (None, 0), trainer.tail()
+        assert settled(), "the trainer finished its steps before every group that entered was trained or dropped"
         outcomes.close()
         stop_life(children)
     except BaseException:

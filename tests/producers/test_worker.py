@@ -43,9 +43,8 @@ def test_worker_publishes_groups_and_stalls_without_credit(cfg):
         published_groups(trajectories, seen)
         return sum(len(v) == cfg.rollout.group_size for v in seen.values())
 
-    asyncio.run(run_until(worker, lambda: full_groups() >= capacity))
-    time.sleep(2)
-    assert full_groups() == capacity  # no credit left: nothing more was admitted
+    asyncio.run(run_until(worker, lambda: full_groups() >= capacity))  # stopped and flushed
+    assert full_groups() == capacity and credit.prompts_admitted() == capacity  # no credit left: nothing more
     assert credit.available() == 0
     for group in seen.values():
         assert sorted(t.sample_index for t in group) == list(range(cfg.rollout.group_size))
@@ -56,7 +55,6 @@ def test_worker_publishes_groups_and_stalls_without_credit(cfg):
     credit.give_back()  # one group left the buffer: exactly one more is admitted
     worker = RolloutWorker(cfg, "w-test", engine, load_tokenizer(cfg.model))
     asyncio.run(run_until(worker, lambda: full_groups() >= capacity + 1))
-    time.sleep(2)
-    assert full_groups() == capacity + 1
+    assert full_groups() == capacity + 1 and credit.prompts_admitted() == capacity + 1
     asyncio.run(engine.close())
     trajectories.close()

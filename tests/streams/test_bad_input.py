@@ -17,6 +17,8 @@ from milestream.schemas import topics
 from milestream.schemas.codec import encode, headers_for
 from milestream.schemas.records import LogProbs, Trajectory
 
+from holds import Holds
+
 MAX_RECORD_BYTES = 256 * 1024  # far below the topics' 8 MiB, so an oversized record still gets published
 
 # A producer from the future: the same record under the next schema version ("LogProbs/2").
@@ -40,24 +42,35 @@ def bad_values() -> dict[str, tuple[topics.TopicSpec, bytes, list]]:
 
 
 class Injector(threading.Thread):
-    """Once the processor has emitted its first group (the loop is running), publishes the bad values."""
+    """While the trainer holds after its first step (the loop runs and cannot finish), publishes the
+    bad values and lets the trainer go on once all of them are dead-lettered."""
 
-    def __init__(self, cfg, values):
+    def __init__(self, cfg, values, holds: Holds):
         super().__init__(name="bad-input", daemon=True)
-        self.cfg, self.values, self.error, self.injected = cfg, values, None, False
+        self.cfg, self.values, self.holds, self.error, self.injected = cfg, values, holds, None, False
 
     def run(self) -> None:
+        trainer = None
         try:
-            reader = topic_reader(self.cfg, topics.GROUPS)
-            wait_until(lambda: reader.poll(0.5) is not None, 240, "the first group of the loop", poll_s=0)
-            reader.close()
+            trainer = self.holds.wait_held("trainer.published", 240)
             producer = RecordProducer(self.cfg.broker, client_id="bad-input")
             for name, (spec, value, headers) in self.values.items():
                 producer.send_raw(spec, value, f"bad-{name}", headers)
             producer.flush()
             self.injected = True
+            letters, reader = set(), topic_reader(self.cfg, topics.DEADLETTER)
+
+            def all_dead_lettered() -> bool:
+                letters.update(r.key.decode() for d in reader.drain(idle_s=0.2) for r in d.records)
+                return {f"bad-{name}" for name in self.values} <= letters
+
+            wait_until(all_dead_lettered, 240, "the bad values dead-lettered")
+            reader.close()
         except BaseException as exc:  # noqa: BLE001 - surfaced by the test after the loop
             self.error = exc
+        finally:
+            if trainer is not None:
+                self.holds.release("trainer.published", trainer)
 
 
 def value_at(cfg, topic: str, partition: int, offset: int) -> bytes | None:
@@ -77,11 +90,13 @@ def value_at(cfg, topic: str, partition: int, offset: int) -> bytes | None:
         consumer.close()
 
 
-def test_bad_input_is_dead_lettered_and_the_loop_completes(cfg):
+def test_bad_input_is_dead_lettered_and_the_loop_completes(cfg, tmp_path, monkeypatch):
     cfg = cfg.with_overrides(buffer={"max_record_bytes": MAX_RECORD_BYTES},
                              trainer={"steps": 3, "checkpoint_every": 3}, run={"max_wall_s": 300})
     values = bad_values()
-    injector = Injector(cfg, values)
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("trainer.published")
+    injector = Injector(cfg, values, holds)
     injector.start()
     try:
         summary = run_loop(cfg)

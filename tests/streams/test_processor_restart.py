@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import random
-import time
 
 from confluent_kafka import Consumer, TopicPartition
 import numpy as np
@@ -20,7 +19,7 @@ from synthetic import ProcessorProcess, all_partitions, expert_ids, group_record
 
 from milestream.infra.kafka import RecordProducer, client_config, topic_name
 from milestream.schemas import routing, topics
-from milestream.streams.ledger import BufferLedger
+from milestream.streams.ledger import SETTLED, BufferLedger
 from milestream.streams.processor import app_id
 
 GROUP_SIZE = 4
@@ -112,13 +111,16 @@ def drive_waves(cfg, processor: ProcessorProcess, emitted: EmittedGroups) -> lis
     producer = RecordProducer(cfg.broker, client_id="restart-test")
     rng = random.Random(7)
     entered: list[str] = []
+    ledger = BufferLedger(cfg)
     committed_at_kill = sum(committed(cfg).values())
     for wave in range(WAVES):
         first, second, early, ids = split_wave(wave, rng)
         publish(producer, first)
         if wave in KILL_WAVES:
             emitted.wait_for(early, processor, timeout_s=120)
-            time.sleep(3 * COMMIT_INTERVAL_S)  # let the processor commit while it holds the half-filled groups
+            # settled (delivered, accounted) while the half-filled groups are held: the next life
+            # re-reads records of groups that are already gone
+            wait_until(lambda: all(ledger.settlement(g) == SETTLED for g in early), 60, "the complete groups settled")
             # commits happen while the processor runs, not only when it stops cleanly: everything
             # before this wave has left since the last kill, so the committed position moved on
             before = committed_at_kill

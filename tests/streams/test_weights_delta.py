@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,15 +130,18 @@ def test_the_engine_keeps_generating_while_a_delta_is_received(cfg: Config) -> N
     receiver.receive(sender.publish(producer, 1, 1, next(steps)))
     record = sender.publish(producer, 2, 2, next(steps))
     decode = receiver.receive
+    probe_done = threading.Event()
 
-    def slow_receive(record):  # stands in for decoding the delta of a large model
+    def slow_receive(record):  # stands in for decoding the delta of a large model; outlasts the probe
         time.sleep(2.0)
+        probe_done.wait(120)
         return decode(record)
 
     receiver.receive = slow_receive
 
     async def run():
         probe = asyncio.create_task(engine.generate(GenerateRequest("probe", (5, 6, 7), SamplingParams(20, 1.0))))
+        probe.add_done_callback(lambda _: probe_done.set())
         started = time.perf_counter()
         await worker._apply(receiver, record, None)
         return await probe, time.perf_counter() - started

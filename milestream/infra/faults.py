@@ -1,0 +1,49 @@
+"""Hold points: named places where a test stops a stage by construction, not by hoping for timing.
+
+Off unless MILESTREAM_HOLD_DIR names a directory; then, in every process that inherits it, ``hold``
+looks there for an arm file at each pass of its point:
+
+  DIR/POINT           armed; its text N (1 when empty) means: hold at the N-th pass that sees it armed
+  DIR/POINT.held.PID  the process PID took the hold (renamed from the arm file, so only one takes it)
+                      and blocks the calling thread until this file is deleted or the process killed
+
+A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known point. The points:
+
+  worker.sample_published     a rollout worker, after sending one sample of a group
+  engine.stepped              the CpuEngine's thread, between two steps (no lock held)
+  trainer.collected           the trainer, with its batch taken, before the step
+  trainer.published           the trainer, the step's weights and metrics sent, before its checkpoint
+  trainer.checkpoint_written  the checkpoint written to its temporary folder, not yet the latest
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+HOLD_DIR = "MILESTREAM_HOLD_DIR"
+_passes_armed: Counter[str] = Counter()
+
+
+def hold(point: str) -> None:
+    directory = os.environ.get(HOLD_DIR)
+    if not directory:
+        return
+    arm = Path(directory, point)
+    try:
+        text = arm.read_text().strip()
+    except FileNotFoundError:
+        _passes_armed.pop(point, None)  # a later arm counts its passes afresh
+        return
+    _passes_armed[point] += 1
+    if _passes_armed[point] < (int(text) if text else 1):
+        return
+    held = arm.with_name(f"{point}.held.{os.getpid()}")
+    try:
+        arm.rename(held)
+    except FileNotFoundError:  # another process took this hold
+        return
+    _passes_armed.pop(point, None)
+    while held.exists():
+        time.sleep(0.05)

@@ -1,0 +1,42 @@
+"""The test's side of milestream/infra/faults.py: arm a named hold point, wait until a stage holds
+there (its state cannot move while it does), act, then release it or kill it."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from milestream.infra.faults import HOLD_DIR
+
+
+class Holds:
+    def __init__(self, directory: Path):
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def enable(cls, monkeypatch, tmp_path: Path) -> "Holds":
+        """Hold points on for this process and every stage it starts from now on."""
+        holds = cls(tmp_path / "holds")
+        monkeypatch.setenv(HOLD_DIR, str(holds.directory))
+        return holds
+
+    def arm(self, point: str, at_pass: int = 1) -> None:
+        """The first process to pass ``point`` ``at_pass`` times from now on holds there."""
+        staging = self.directory / f".{point}.arming"
+        staging.write_text(str(at_pass))
+        staging.rename(self.directory / point)  # whole or not at all: a stage never reads half of it
+
+    def wait_held(self, point: str, timeout_s: float, check: Callable[[], None] = lambda: None) -> int:
+        """The pid holding at ``point``, once one does; ``check`` raises if waiting is pointless."""
+        deadline = time.monotonic() + timeout_s
+        while not (held := list(self.directory.glob(f"{point}.held.*"))):
+            check()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for a stage to hold at {point}")
+            time.sleep(0.1)
+        return int(held[0].name.rsplit(".", 1)[1])
+
+    def release(self, point: str, pid: int) -> None:
+        """Let the holder go on; also forgets the hold of a process that was killed there."""
+        (self.directory / f"{point}.held.{pid}").unlink(missing_ok=True)
