@@ -8,14 +8,16 @@
   external   ``milestream eval`` writes each due version as an HF-loadable folder and calls the user's
              ``eval.evaluator(folder)`` (evaluate/external.py)
 
-A version is due when ``version % eval.every_versions == 0`` or it is the last step's. The held-out set is
-``eval.num_prompts`` distinct questions held out by question: the rows of ``eval.path``, or the first
-distinct questions from task indices ``data.size`` onwards, which the loader then skips; decoded greedily;
-the score is the task verifier's mean (accuracy, no format reward). Each result on ``eval.results`` names
-the version and step that produced it and ``lag_steps``: the newest step announced on
-``weights.versions`` when the result is published, minus the version's step. A failed evaluation (an
-exception, ``eval.timeout_s``, a snapshot gone) is a result with status ``skipped``, score NaN and the
-reason in ``detail``; the consumer and training go on.
+A version is due when ``version % eval.every_versions == 0`` (version 0, the initial weights, included:
+a shared engine evaluates it when it starts, before it admits a prompt) or it is the last step's; at its
+end ``milestream run`` evaluates the version it ended on if no evaluator did (``finish_evaluation``). The
+held-out set is ``eval.num_prompts`` distinct questions held out by question: the rows of ``eval.path``, or
+the first distinct questions from task indices ``data.size`` onwards, which the loader then skips; prompted
+as rollout prompts and decoded greedily; the score is the configured reward's mean without the format
+reward (``HeldOut``). Each result on ``eval.results`` names the version and step that produced it and
+``lag_steps``: the newest step announced on ``weights.versions`` when the result is published, minus the
+version's step. A failed evaluation (an exception, ``eval.timeout_s``, a snapshot gone) is a result with
+status ``skipped``, score NaN and the reason in ``detail``; the consumer and training go on.
 """
 from __future__ import annotations
 
