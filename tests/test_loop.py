@@ -33,7 +33,8 @@ def inject_aborted_group(cfg) -> str:
 def loop_cfg(cfg, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", PLUGINS)
     return cfg.with_overrides(buffer={"filter": "loop_filters:reject_every_third_prompt", "max_staleness": 1},
-                              trainer={"steps": 4, "checkpoint_every": 2}, run={"max_wall_s": 240})
+                              trainer={"steps": 4, "checkpoint_every": 2}, run={"max_wall_s": 240},
+                              eval={"mode": "shared"})  # as in the default run
 
 
 def run_showing_logs(cfg) -> dict:
@@ -109,7 +110,8 @@ def test_whole_loop(loop_cfg):
 
 def test_a_run_stopped_by_its_wall_budget_evaluates_the_version_it_ends_on(cfg, capsys):
     # no version is due but the initial one: the one the run ends on is evaluated when the stages have stopped
-    cfg = cfg.with_overrides(trainer={"steps": 10_000}, run={"max_wall_s": 90}, eval={"every_versions": 10_000})
+    cfg = cfg.with_overrides(trainer={"steps": 10_000}, run={"max_wall_s": 90},
+                             eval={"mode": "shared", "every_versions": 10_000})
     summary = run_showing_logs(cfg)
     assert summary["stopped_by"] == "wall_budget"
 

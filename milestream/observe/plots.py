@@ -41,7 +41,7 @@ def draw_evaluations(ax, evals: dict[str, list[EvalResult]]) -> None:
     """Each evaluation's scores at the step of the version they scored (version 0: step 0)."""
     for name, results in evals.items():
         ax.plot([r.step for r in results], [r.score for r in results], marker="s", ms=5, linestyle="--",
-                label=f"{name} (greedy, held out)")
+                label=f"{name}: greedy, on held-out questions")
 
 
 def _staleness(ax, series: RunSeries) -> bool:
