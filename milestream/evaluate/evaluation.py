@@ -309,9 +309,11 @@ def require_skippable_transport(cfg: Config) -> None:
     cannot serve an evaluator that loads only the due versions."""
     receiver = import_path(TRANSPORTS[cfg.weights.transport][1], "weights.transport")
     if receiver.every_version:
-        raise ValueError(f"eval.mode {cfg.eval.mode} loads versions through weights.transport "
-                         f"{cfg.weights.transport!r}, whose engines must take part in every delivery; use "
-                         f"weights.transport disk or disk-delta, or eval.mode shared")
+        where = "the version a run ends on is evaluated outside the rollout engines: it" if cfg.eval.mode == "shared" \
+            else f"eval.mode {cfg.eval.mode}"
+        raise ValueError(f"{where} loads versions through weights.transport {cfg.weights.transport!r}, whose "
+                         f"engines must take part in every delivery; use weights.transport disk or disk-delta"
+                         f"{'' if cfg.eval.mode == 'shared' else ', or eval.mode shared'}")
 
 
 def make_evaluation(cfg: Config) -> VersionEvaluation:
@@ -337,8 +339,7 @@ def finish_evaluation(cfg: Config) -> tuple[list[EvalResult], list[EvalResult]]:
     newest = max(reversed(versions), key=lambda record: record.version, default=None)  # a redone step: its last record
     if newest is None or any(result.version == newest.version for result in results):
         return results, []
-    configure_process(cfg.model)
-    new = asyncio.run(evaluate_once(cfg, newest))
+    new = asyncio.run(evaluate_once(cfg, newest))  # the stages have stopped: every core is this one's
     return results + new, new
 
 

@@ -16,7 +16,7 @@ import torch
 
 from milestream.config import Config
 from milestream.evaluate.evaluation import EngineEvaluation, EvaluationLoop, HeldOut, SharedEvaluation, shared_evaluation, \
-    VersionFeed, held_out_prompts
+    VersionFeed, finish_evaluation, held_out_prompts
 from milestream.evaluate.external import ExternalEvaluation
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, load_trainable_state_dict, trainable_state_dict
@@ -287,3 +287,17 @@ def test_held_out_score_of_the_demo_is_accuracy_without_the_format_reward(cfg):
     assert heldout.input_ids[0] == tuple(chat_input_ids(
         tokenizer, [{"role": "system", "content": cfg.data.system_prompt},
                     {"role": "user", "content": heldout.prompts[0].question}], cfg.data.assistant_prefill))
+
+
+def test_the_version_a_run_ends_on_is_evaluated_once_and_a_failure_is_skipped(cfg):
+    cfg = eval_cfg(cfg, mode="shared")
+    publish_versions(cfg, range(1, 4))  # nothing on eval.results: the newest version has no result
+    everything, new = finish_evaluation(cfg)
+    assert everything == new and [(r.version, r.step, r.status, r.lag_steps) for r in new] == [(3, 3, "ok", 0)]
+    assert finish_evaluation(cfg) == (new, [])  # it has a result now: nothing runs again
+
+    publish_versions(cfg, range(4, 5))
+    Path(cfg.run.run_dir, "weights", "v000004.safetensors").unlink()
+    everything, (gone,) = finish_evaluation(cfg)
+    assert (gone.version, gone.status) == (4, "skipped") and "v000004.safetensors is gone" in gone.detail
+    assert [r.version for r in everything] == [3, 4]
