@@ -275,14 +275,17 @@ class WeightsConfig(Section):
 class EvalConfig(Section):
     """Held-out evaluation as a consumer of weights.versions (evaluate/evaluation.py); results on eval.results."""
 
-    # None: off. shared: the rollout engine of worker ``shared_worker`` evaluates, its new submissions wait
+    # None: off. shared (the default; off by default for a user data set without ``path``, which has no
+    # held-out questions): the rollout engine of worker ``shared_worker`` evaluates, its new submissions wait
     # meanwhile (nothing in flight is aborted); dedicated: ``milestream eval`` runs its own engine;
     # external: ``milestream eval`` calls ``evaluator`` on an HF-loadable folder of each version
-    mode: Literal["shared", "dedicated", "external"] | None = None
-    every_versions: int = 10  # versions divisible by this (and the one of the last step) are evaluated
+    mode: Literal["shared", "dedicated", "external"] | None = "shared"
+    # versions divisible by this (version 0, the initial weights, included) and the one of the last step
+    # are evaluated; ``milestream run`` evaluates the version it ends on too
+    every_versions: int = 10
     # distinct held-out questions: task entries past data.size whose questions training then skips,
     # or the rows of ``path``
-    num_prompts: int = 64
+    num_prompts: int = 32
     path: str | None = None  # a held-out file (JSONL, Parquet, datasets folder), mapped like data.path
     max_new_tokens: int | None = None  # greedy; None: rollout.max_new_tokens
     timeout_s: float = 600.0  # an evaluation that takes longer is recorded as skipped
@@ -346,6 +349,21 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     sandbox: SandboxConfig = SandboxConfig()
     sessions: SessionsConfig = SessionsConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _user_data_without_held_out_file_is_not_evaluated(cls, data: Any) -> Any:
+        """Held-out questions come from a reasoning-gym task or from eval.path: with neither, the default
+        eval.mode is off rather than an error."""
+        if not isinstance(data, dict):
+            return data
+        given = data.get("eval") or {}
+        given = given if isinstance(given, dict) else given.model_dump(exclude_unset=True)
+        if "mode" in given or given.get("path"):
+            return data
+        if any(source.task for source in DataConfig.model_validate(data.get("data") or {}).data_sources()):
+            return data
+        return {**data, "eval": {**given, "mode": None}}
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

@@ -2,8 +2,9 @@
 
     start broker and Redis (or use the given ones), create the topics, fill the credit
     publish prompts; start the processor, the rollout workers and the trainer
-    follow buffer.metrics and buffer.dropped, print each trainer step
-    when the trainer finishes: stop everything, write summary.json and the plot
+    follow buffer.metrics, buffer.dropped and eval.results, print each trainer step and each evaluation
+    when the trainer finishes: stop everything, evaluate the version it ended on unless an evaluator
+    did (evaluate/evaluation.py ``finish_evaluation``), write summary.json and the plot
     (an archiver, started first and stopped last, keeps every topic on disk; a run started again
     on the same run folder resumes from that archive)
 
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 from milestream.config import Config
+from milestream.evaluate.evaluation import finish_evaluation
 from milestream.infra.kafka import Admin
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.log.lineage import Lineage
@@ -29,7 +31,7 @@ from milestream.observe.feed import TopicFeed
 from milestream.observe.report import write_report
 from milestream.producers.inputs import check_inputs
 from milestream.schemas import topics
-from milestream.schemas.records import Metrics
+from milestream.schemas.records import EvalResult, Metrics
 from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
@@ -99,12 +101,13 @@ class BrokerLost(RuntimeError):
 
 
 class Monitor:
-    """What the topics say about the run: its lineage of trainer steps and drops (log/lineage.py)."""
+    """What the topics say about the run: its lineage of trainer steps and drops (log/lineage.py), and
+    its evaluations. ``printed``: the steps and the evaluations already printed (by an earlier monitor too)."""
 
-    def __init__(self, cfg: Config, printed: set[int], started: float):
-        self.cfg, self.printed, self.started = cfg, printed, started
+    def __init__(self, cfg: Config, printed: set[int], printed_evals: set[tuple[str, int, float]], started: float):
+        self.cfg, self.printed, self.printed_evals, self.started = cfg, printed, printed_evals, started
         self.lineage = Lineage()
-        self.feed = TopicFeed(cfg, "run-monitor", specs=(topics.METRICS, topics.DROPPED))
+        self.feed = TopicFeed(cfg, "run-monitor", specs=(topics.METRICS, topics.DROPPED, topics.EVAL_RESULTS))
 
     def poll(self, drain: bool = False) -> None:
         """Take what arrived (everything there is, with ``drain``), printing each trainer step once."""
@@ -116,6 +119,7 @@ class Monitor:
                 self.printed.add(record.step)
                 print_step(self.cfg, self.lineage.steps[record.step], self.lineage,
                            time.monotonic() - self.started)
+        print_evaluations([item.record for item in items if item.spec == topics.EVAL_RESULTS], self.printed_evals)
 
     def close(self) -> None:
         self.feed.close()
@@ -158,6 +162,32 @@ def print_step(cfg: Config, record: Metrics, lineage: Lineage, elapsed: float) -
           f"dropped {reasons or '-'}  loss {v['loss']:+.4f}  step {v['step_s']:.1f}s  [{elapsed:.0f}s]", flush=True)
 
 
+def print_evaluations(results: list[EvalResult], printed: set[tuple[str, int, float]]) -> None:
+    """One line per evaluation result not printed yet: ``eval v10 (step 10, lag 2): heldout 0.420``."""
+    for r in results:
+        if (r.name, r.version, r.ts) in printed:
+            continue
+        printed.add((r.name, r.version, r.ts))
+        outcome = f"{r.score:.3f}" if r.status == "ok" else f"skipped ({r.detail})"
+        print(f"eval v{r.version} (step {r.step}, lag {r.lag_steps}): {r.name} {outcome}", flush=True)
+
+
+def stop_stages(children: list[Child], trainer: Child, keep: str = "") -> None:
+    """Every stage but ``keep``, the trainer first (given the time to finish its step)."""
+    for child in reversed(children):
+        if child.name != keep:
+            child.stop(grace=120.0 if child is trainer else 20.0)
+
+
+def evaluate_run_end(cfg: Config, printed_evals: set[tuple[str, int, float]]) -> list[EvalResult]:
+    """Every evaluation result of the run, the version it ended on evaluated if no evaluator did."""
+    if cfg.eval.mode is None:
+        return []
+    results, _ = finish_evaluation(cfg)
+    print_evaluations(results, printed_evals)
+    return results
+
+
 def resume_from_archive(cfg: Config, run_dir: Path) -> None:
     """A fresh embedded broker holds nothing: put the archived run back, at the same offsets."""
     from milestream.log.restore import resume
@@ -173,6 +203,7 @@ def run_loop(cfg: Config) -> dict:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     printed: set[int] = set()
+    printed_evals: set[tuple[str, int, float]] = set()
     with embedded(cfg) as live:
         config_path = run_dir / "config.yaml"
         config_path.write_text(live.cfg.to_yaml())
@@ -180,9 +211,11 @@ def run_loop(cfg: Config) -> dict:
             resume_from_archive(live.cfg, run_dir)
         while True:
             children, trainer = start_stages(live.cfg, config_path, log_dir)
-            monitor = Monitor(live.cfg, printed, started)
+            monitor = Monitor(live.cfg, printed, printed_evals, started)
             try:
                 stopped_by = follow(live.cfg, live, children, trainer, monitor)
+                stop_stages(children, trainer, keep="archiver")  # the archiver keeps the last evaluation too
+                evals = evaluate_run_end(live.cfg, printed_evals)
                 break
             except BrokerLost as lost:
                 if not cfg.run.archive:
@@ -190,13 +223,12 @@ def run_loop(cfg: Config) -> dict:
                 print(f"{lost}: stopping the stages, resuming from the archive on a new broker", flush=True)
             finally:
                 monitor.close()
-                for child in reversed(children):
-                    child.stop(grace=120.0 if child is trainer else 20.0)
+                stop_stages(children, trainer)
             live.restart_broker()
             resume_from_archive(live.cfg, run_dir)
         buffer = BufferLedger(live.cfg).balance()
         summary = write_report(run_dir, monitor.lineage, time.monotonic() - started, stopped_by=stopped_by,
-                               buffer=buffer)
+                               evals=evals, eval_name=cfg.eval.name, buffer=buffer)
     if buffer["unaccounted"]:
         log.error("the buffer's credit does not balance at the end of the run: %s", buffer)
     print(f"summary: {summary}")

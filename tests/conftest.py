@@ -42,6 +42,7 @@ def cfg(live_services: Config, tmp_path) -> Config:
         trainer={"batch_groups": 2, "steps": 3, "checkpoint_every": 1},
         buffer={"metrics_interval_s": 0.5},
         run={"run_dir": str(tmp_path / "run")},
+        eval={"mode": None},  # off unless a test turns it on: held-out questions would leave the task's stream
     )
     Admin(cfg.broker).create_topics()
     BufferLedger(cfg).initialise()

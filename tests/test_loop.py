@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from milestream.infra.kafka import RecordProducer
+from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import BrokerSource
 from milestream.observe.recompute import replay_step
@@ -33,19 +33,25 @@ def inject_aborted_group(cfg) -> str:
 def loop_cfg(cfg, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", PLUGINS)
     return cfg.with_overrides(buffer={"filter": "loop_filters:reject_every_third_prompt", "max_staleness": 1},
-                              trainer={"steps": 4, "checkpoint_every": 2}, run={"max_wall_s": 240})
+                              trainer={"steps": 4, "checkpoint_every": 2}, run={"max_wall_s": 240},
+                              eval={"mode": "shared"})  # as in the default run
+
+
+def run_showing_logs(cfg) -> dict:
+    """run_loop's summary; on failure, the tail of each stage's log."""
+    try:
+        return run_loop(cfg)
+    except BaseException:
+        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
+            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        raise
 
 
 def test_whole_loop(loop_cfg):
     cfg = loop_cfg
     aborted = inject_aborted_group(cfg)
-    try:
-        summary = run_loop(cfg)
-        assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
-    except BaseException:
-        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
-            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-        raise
+    summary = run_showing_logs(cfg)
+    assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
 
     source = BrokerSource(cfg, idle_s=3.0)  # raises on a record that does not decode
     every = {spec.name: [r for m in source.messages(spec) for r in m.records] for spec in topics.CATALOGUE}
@@ -89,6 +95,9 @@ def test_whole_loop(loop_cfg):
     assert summary["final_version"] == cfg.trainer.steps
     assert (Path(cfg.run.run_dir) / "summary.json").exists()
     assert (Path(cfg.run.run_dir) / "reward_staleness.png").stat().st_size > 0
+    # held-out evaluation (on by default): the initial weights, and the last step's version
+    assert {(r.version, r.status) for r in every["eval.results"]} == {(0, "ok"), (cfg.trainer.steps, "ok")}
+    assert (summary["heldout_first"]["version"], summary["heldout_last"]["version"]) == (0, cfg.trainer.steps)
 
     # any logged step recomputes bit for bit: step 1 from the initial weights, step 3 from the
     # checkpoint of step 2 (checkpoint_every 2)
@@ -97,3 +106,23 @@ def test_whole_loop(loop_cfg):
         assert result.from_checkpoint == expected_checkpoint
         assert result.bitwise_equal, (result.logged, result.replayed)
 
+
+
+def test_a_run_stopped_by_its_wall_budget_evaluates_the_version_it_ends_on(cfg, capsys):
+    # no version is due but the initial one: the one the run ends on is evaluated when the stages have stopped
+    cfg = cfg.with_overrides(trainer={"steps": 10_000}, run={"max_wall_s": 90},
+                             eval={"mode": "shared", "every_versions": 10_000})
+    summary = run_showing_logs(cfg)
+    assert summary["stopped_by"] == "wall_budget"
+
+    consumer = RecordConsumer(cfg.broker, topics.EVAL_RESULTS, "audit").assign(partitions=[0])
+    results = [r for d in consumer.drain(idle_s=1.0, max_wait_s=10.0) for r in d.records]
+    consumer.close()
+    last = summary["final_version"]
+    assert [(r.version, r.status) for r in results] == [(0, "ok")] + ([(last, "ok")] if last else [])
+    assert results[-1].lag_steps == 0
+    assert summary["heldout_first"] == {"version": 0, "step": 0, "score": results[0].score}
+    assert summary["heldout_last"] == {"version": last, "step": results[-1].step, "score": results[-1].score}
+    assert [s["version"] for s in summary["heldout"]] == [r.version for r in results]
+    printed = capsys.readouterr().out
+    assert all(f"eval v{r.version} (step {r.step}, lag {r.lag_steps}): heldout {r.score:.3f}" in printed for r in results)

@@ -8,14 +8,16 @@
   external   ``milestream eval`` writes each due version as an HF-loadable folder and calls the user's
              ``eval.evaluator(folder)`` (evaluate/external.py)
 
-A version is due when ``version % eval.every_versions == 0`` or it is the last step's. The held-out set is
-``eval.num_prompts`` distinct questions held out by question: the rows of ``eval.path``, or the first
-distinct questions from task indices ``data.size`` onwards, which the loader then skips; decoded greedily;
-the score is the task verifier's mean (accuracy, no format reward). Each result on ``eval.results`` names
-the version and step that produced it and ``lag_steps``: the newest step announced on
-``weights.versions`` when the result is published, minus the version's step. A failed evaluation (an
-exception, ``eval.timeout_s``, a snapshot gone) is a result with status ``skipped``, score NaN and the
-reason in ``detail``; the consumer and training go on.
+A version is due when ``version % eval.every_versions == 0`` (version 0, the initial weights, included:
+a shared engine evaluates it when it starts, before it admits a prompt) or it is the last step's; at its
+end ``milestream run`` evaluates the version it ended on if no evaluator did (``finish_evaluation``). The
+held-out set is ``eval.num_prompts`` distinct questions held out by question: the rows of ``eval.path``, or
+the first distinct questions from task indices ``data.size`` onwards, which the loader then skips; prompted
+as rollout prompts and decoded greedily; the score is the configured reward's mean without the format
+reward (``HeldOut``). Each result on ``eval.results`` names the version and step that produced it and
+``lag_steps``: the newest step announced on ``weights.versions`` when the result is published, minus the
+version's step. A failed evaluation (an exception, ``eval.timeout_s``, a snapshot gone) is a result with
+status ``skipped``, score NaN and the reason in ``detail``; the consumer and training go on.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from statistics import mean
 from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
@@ -35,11 +38,12 @@ from transformers import PreTrainedTokenizerBase
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer, stop_token_ids
-from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, SamplingParams
-from milestream.producers.data import held_out
-from milestream.producers.tasks import TaskPrompt, build_input_ids, score
+from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.producers.data import held_out, prompt_messages, sources
+from milestream.producers.rewards import RewardSample, load_reward
+from milestream.producers.tasks import chat_input_ids
 from milestream.schemas import topics
-from milestream.schemas.records import EvalResult, WeightVersion
+from milestream.schemas.records import EvalResult, Prompt, WeightVersion
 from milestream.streams.weights.base import TRANSPORTS, make_receiver
 
 log = logging.getLogger(__name__)
@@ -64,22 +68,46 @@ def is_due(cfg: Config, version: int, step: int) -> bool:
     return version % cfg.eval.every_versions == 0 or step == cfg.trainer.steps
 
 
-def held_out_prompts(cfg: Config) -> list[TaskPrompt]:
+def held_out_prompts(cfg: Config) -> list[Prompt]:
     """``eval.num_prompts`` distinct questions training never sees: the rows of ``eval.path``, or task
-    entries past ``data.size`` whose questions the loader skips (producers/data.py ``held_out``)."""
-    return held_out(cfg)
+    entries past ``data.size`` whose questions the loader skips (producers/data.py ``held_out``), as
+    prompts of the first task source (of the first source for ``eval.path``), so that the policy and the
+    reward see them as they see a training prompt of that source."""
+    task_source = next((s for s in sources(cfg) if s.task_data is not None), None)
+    source = sources(cfg)[0] if cfg.eval.path or task_source is None else task_source
+    return [Prompt(f"{cfg.eval.name}-{i}", source.name, p.index, p.question, p.answer, json.dumps(p.entry))
+            for i, p in enumerate(held_out(cfg))]
+
+
+def reward_sample(cfg: Config, prompt: Prompt, prompt_ids: tuple[int, ...], result: GenerateResult,
+                  text: str) -> RewardSample:
+    """What the reward sees of a held-out completion: a task entry is its metadata, its answer the label
+    (as in training); an ``eval.path`` row gives its label and metadata."""
+    entry = json.loads(prompt.entry_json)
+    label, metadata = (entry["answer"] or None, entry["metadata"]) if cfg.eval.path else (prompt.answer, entry)
+    return RewardSample(source=prompt.dataset, prompt=prompt.question, messages=tuple(prompt_messages(cfg, prompt)),
+                        response=text, label=label, metadata=metadata, prompt_ids=prompt_ids,
+                        response_ids=tuple(result.output_ids), finish_reason=result.finish_reason)
 
 
 class HeldOut:
-    """The held-out prompts encoded for the policy, and the greedy evaluation of an engine on them."""
+    """The held-out prompts encoded for the policy as rollout encodes them (chat messages, system prompt,
+    prefill: ``producers/rollout.py`` ``single_turn``), and the greedy evaluation of an engine on them.
+
+    The score is the mean of the configured reward (``reward.*``) without ``data.format_reward``: for the
+    reasoning-gym demo (answer-tag verifier) the accuracy. A dict reward's components' means go into the
+    result's detail (``components``), beside the score of the one result; a sample whose reward failed is
+    left out of the mean and counted (``reward_errors``)."""
 
     def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.prompts = held_out_prompts(cfg)
-        self.input_ids = [tuple(build_input_ids(tokenizer, p.question, cfg.data)) for p in self.prompts]
+        self.input_ids = [tuple(chat_input_ids(tokenizer, prompt_messages(cfg, p), cfg.data.assistant_prefill))
+                          for p in self.prompts]
         self.sampling = SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                                        temperature=0.0, stop_token_ids=stop_token_ids(tokenizer))
-        self.answer_only = cfg.data.model_copy(update={"format_reward": 0.0})
+        without_format = cfg.model_copy(update={"data": cfg.data.model_copy(update={"format_reward": 0.0})})
+        self.reward = load_reward(without_format)
 
     async def score(self, engine: Engine, version: int) -> list[Score]:
         """All prompts at once: they join whatever the engine is running, which goes on undisturbed."""
@@ -91,12 +119,18 @@ class HeldOut:
         if engine.version != version:
             raise RuntimeError(f"the engine moved to version {engine.version} while evaluating version {version}")
         texts = [self.tokenizer.decode(result.output_ids, skip_special_tokens=True) for result in results]
-        entries = [prompt.entry for prompt in self.prompts]
-        accuracy = sum(score(t, e, self.answer_only) for t, e in zip(texts, entries)) / len(texts)
-        reward = sum(score(t, e, self.cfg.data) for t, e in zip(texts, entries)) / len(texts)
-        detail = {"accuracy": accuracy, "reward_mean": reward, "prompts": len(texts),
-                  "max_new_tokens": self.sampling.max_new_tokens, "example": texts[0]}
-        return [Score(self.cfg.eval.name, accuracy, json.dumps(detail))]
+        samples = [reward_sample(self.cfg, *each) for each in zip(self.prompts, self.input_ids, results, texts)]
+        rewards = await self.reward(samples)
+        scored = [reward for reward in rewards if not reward.error]
+        if not scored:
+            raise RuntimeError(f"the reward failed on all {len(rewards)} held-out completions: {rewards[0].error}")
+        components = {name: mean(r.components[name] for r in scored if name in r.components)
+                      for name in dict.fromkeys(name for r in scored for name in r.components)}
+        value = mean(reward.value for reward in scored)
+        detail = {"score": value, "prompts": len(texts), "reward_errors": len(rewards) - len(scored),
+                  "max_new_tokens": self.sampling.max_new_tokens, "example": texts[0],
+                  **({"components": components} if components else {})}
+        return [Score(self.cfg.eval.name, value, json.dumps(detail))]
 
 
 class VersionFeed:
@@ -168,7 +202,7 @@ class SharedEvaluation:
         self.producer = RecordProducer(cfg.broker, client_id=f"eval-shared-{worker_id}")
         self._open = asyncio.Event()
         self._open.set()
-        self._applied = 0  # the newest version this engine applied (0: the initial weights it starts from)
+        self._applied: int | None = None  # the newest version this engine applied (0: the initial weights)
         self.heldout = HeldOut(cfg, tokenizer)
         self.feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{worker_id}-eval-steps")
                                 .assign(partitions=[0]), keep=False)
@@ -182,11 +216,14 @@ class SharedEvaluation:
         return not self._open.is_set()
 
     async def after_version(self, engine: Engine, version: int, step: int) -> list[EvalResult]:
-        """Call after each applied version. An engine that follows only the newest version may jump over a
-        multiple of ``eval.every_versions``: the first version it applies at or past one is evaluated."""
-        previous, self._applied = self._applied, max(self._applied, version)
+        """Call after each applied version, and with version 0 when the engine starts on the initial weights.
+        An engine that follows only the newest version may jump over a multiple of ``eval.every_versions``:
+        the first version it applies at or past one is evaluated."""
+        previous = self._applied
+        self._applied = version if previous is None else max(previous, version)
         every = self.cfg.eval.every_versions
-        if version <= previous or not (version // every > previous // every or is_due(self.cfg, version, step)):
+        crossed = version // every > (previous or 0) // every
+        if (previous is not None and version <= previous) or not (crossed or is_due(self.cfg, version, step)):
             return []
         self._open.clear()
         try:
@@ -272,9 +309,11 @@ def require_skippable_transport(cfg: Config) -> None:
     cannot serve an evaluator that loads only the due versions."""
     receiver = import_path(TRANSPORTS[cfg.weights.transport][1], "weights.transport")
     if receiver.every_version:
-        raise ValueError(f"eval.mode {cfg.eval.mode} loads versions through weights.transport "
-                         f"{cfg.weights.transport!r}, whose engines must take part in every delivery; use "
-                         f"weights.transport disk or disk-delta, or eval.mode shared")
+        where = "the version a run ends on is evaluated outside the rollout engines: it" if cfg.eval.mode == "shared" \
+            else f"eval.mode {cfg.eval.mode}"
+        raise ValueError(f"{where} loads versions through weights.transport {cfg.weights.transport!r}, whose "
+                         f"engines must take part in every delivery; use weights.transport disk or disk-delta"
+                         f"{'' if cfg.eval.mode == 'shared' else ', or eval.mode shared'}")
 
 
 def make_evaluation(cfg: Config) -> VersionEvaluation:
@@ -286,6 +325,51 @@ def make_evaluation(cfg: Config) -> VersionEvaluation:
         return ExternalEvaluation(cfg)
     raise ValueError(f"milestream eval runs eval.mode dedicated or external, not {cfg.eval.mode!r} "
                      f"(shared runs inside the rollout workers)")
+
+
+def finish_evaluation(cfg: Config) -> tuple[list[EvalResult], list[EvalResult]]:
+    """The end of ``milestream run``, its stages stopped: (every result on ``eval.results``, the new ones).
+
+    A run that stops at ``run.max_wall_s`` ends on a version no evaluator was due to reach, or reached too
+    late: the newest version on ``weights.versions`` with no result is evaluated here, by an in-process
+    engine loading it from the run folder (``EngineEvaluation``; the user's evaluator in external mode),
+    and published like any other result, or as ``skipped`` with the reason."""
+    results = read_all(cfg, topics.EVAL_RESULTS)
+    versions = read_all(cfg, topics.WEIGHT_VERSIONS)
+    newest = max(reversed(versions), key=lambda record: record.version, default=None)  # a redone step: its last record
+    if newest is None or any(result.version == newest.version for result in results):
+        return results, []
+    new = asyncio.run(evaluate_once(cfg, newest))  # the stages have stopped: every core is this one's
+    return results + new, new
+
+
+def read_all(cfg: Config, spec: topics.TopicSpec) -> list:
+    consumer = RecordConsumer(cfg.broker, spec, f"{cfg.broker.topic_prefix}run-end-eval").assign(partitions=[0])
+    try:
+        return [record for delivery in consumer.drain(idle_s=1.0, max_wait_s=30.0) for record in delivery.records]
+    finally:
+        consumer.close()
+
+
+async def evaluate_once(cfg: Config, record: WeightVersion) -> list[EvalResult]:
+    producer = RecordProducer(cfg.broker, client_id="eval-run-end")
+    feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{cfg.broker.topic_prefix}run-end-eval")
+                       .assign(partitions=[0]), keep=False)
+    evaluations: list[VersionEvaluation] = []
+
+    async def evaluate() -> list[Score]:
+        build = EngineEvaluation if cfg.eval.mode == "shared" else make_evaluation
+        evaluations.append(await asyncio.to_thread(build, cfg))
+        return await evaluations[0](record)
+
+    try:
+        outcome = await guarded(evaluate(), cfg.eval.timeout_s)
+        return await publish_outcome(cfg, record.version, record.step, outcome, feed, producer)
+    finally:
+        for evaluation in evaluations:
+            await evaluation.close()
+        feed.close()
+        producer.flush()
 
 
 def run_evaluator(cfg: Config, stop: threading.Event) -> None:

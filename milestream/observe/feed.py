@@ -26,9 +26,9 @@ from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import Record
 
-# every figure of the loop lives on one of these: stage metrics, drops, weight versions, weight acks
+# every figure of the loop lives on one of these: stage metrics, drops, weight versions, weight acks, evaluations
 FEED_TOPICS: tuple[topics.TopicSpec, ...] = (
-    topics.METRICS, topics.DROPPED, topics.WEIGHT_VERSIONS, topics.WEIGHTS_APPLIED)
+    topics.METRICS, topics.DROPPED, topics.WEIGHT_VERSIONS, topics.WEIGHTS_APPLIED, topics.EVAL_RESULTS)
 
 
 @dataclass(frozen=True)

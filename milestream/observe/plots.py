@@ -1,6 +1,7 @@
 """``milestream plot``: PNG plots of a run from its topics or its archive.
 
-Five files under ``RUN_DIR/plots/`` (or ``--out``): ``reward.png``, ``staleness.png``, ``queue.png``,
+Five files under ``RUN_DIR/plots/`` (or ``--out``): ``reward.png`` (with the held-out scores of
+``eval.results`` at the step of each evaluated version), ``staleness.png``, ``queue.png``,
 ``throughput.png`` and ``drops.png`` (drops by reason over time). A live run is read from its
 topics; a finished one from ``RUN_DIR/archive`` (the archiver keeps it while the run goes on, so
 the archive also serves a live run, without a broker).
@@ -15,7 +16,8 @@ from matplotlib.ticker import MaxNLocator
 from milestream.config import Config
 from milestream.log.archive import archive_dir
 from milestream.observe.feed import TopicFeed, archived
-from milestream.observe.series import RunSeries
+from milestream.observe.series import RunSeries, evaluated
+from milestream.schemas.records import EvalResult
 
 Source = Literal["auto", "archive", "topics"]
 ROLLING = 5  # steps in the reward's rolling mean
@@ -30,8 +32,16 @@ def _reward(ax, series: RunSeries) -> bool:
     rewards = [m.values["reward_mean"] for m in steps]
     ax.plot([m.step for m in steps], rewards, marker="o", ms=3, alpha=0.5, label="mean reward")
     ax.plot([m.step for m in steps], _rolling(rewards, ROLLING), label=f"rolling mean ({ROLLING} steps)")
-    ax.set(xlabel="trainer step", ylabel="reward", title="reward per step")
+    draw_evaluations(ax, evaluated(series.evals))
+    ax.set(xlabel="trainer step", ylabel="reward", title="reward per step, held-out score per evaluated version")
     return bool(steps)
+
+
+def draw_evaluations(ax, evals: dict[str, list[EvalResult]]) -> None:
+    """Each evaluation's scores at the step of the version they scored (version 0: step 0)."""
+    for name, results in evals.items():
+        ax.plot([r.step for r in results], [r.score for r in results], marker="s", ms=5, linestyle="--",
+                label=f"{name}: greedy, on held-out questions")
 
 
 def _staleness(ax, series: RunSeries) -> bool:

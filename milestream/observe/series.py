@@ -5,16 +5,17 @@ Fed ``Observed`` records in any order across topics (within a topic, in offset o
 - the latest ``Metrics`` record of every source (``trainer``, ``processor``, ``rollout/<worker>``, ``verifier``);
 - the trainer's lineage and each dropped group once (``log/lineage.py``);
 - the processor's queue size over time;
-- every weight version's publication times and every engine's acks.
+- every weight version's publication times and every engine's acks;
+- every evaluation result (``eval.results``).
 """
 from __future__ import annotations
 
 import collections
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from milestream.log.lineage import Lineage
 from milestream.observe.feed import Observed
-from milestream.schemas.records import Dropped, Metrics, WeightApplied, WeightVersion
+from milestream.schemas.records import Dropped, EvalResult, Metrics, WeightApplied, WeightVersion
 
 
 class RunSeries:
@@ -25,6 +26,7 @@ class RunSeries:
         self.versions: dict[int, WeightVersion] = {}  # the latest record of each version
         self.published: dict[int, list[float]] = collections.defaultdict(list)  # version -> publication times
         self.acks: list[WeightApplied] = []
+        self.evals: list[EvalResult] = []
         self.first_ts: float | None = None
 
     @property
@@ -50,6 +52,8 @@ class RunSeries:
                 self.published[record.version].append(record.ts)
             case WeightApplied():
                 self.acks.append(record)
+            case EvalResult():
+                self.evals.append(record)
             case _:
                 return
         self.first_ts = record.ts if self.first_ts is None else min(self.first_ts, record.ts)
@@ -128,6 +132,26 @@ class RunSeries:
     def sources(self, kind: str) -> dict[str, Metrics]:
         """The latest record of every source of one kind (``rollout`` -> ``rollout/worker-0``, ...)."""
         return {s: m for s, m in sorted(self.latest.items()) if s.partition("/")[0] == kind}
+
+
+def evaluated(results: Iterable[EvalResult]) -> dict[str, list[EvalResult]]:
+    """Each evaluation's scores by name: per version its latest ``ok`` result, in version order."""
+    latest: dict[tuple[str, int], EvalResult] = {}
+    for result in sorted(results, key=lambda r: r.ts):
+        if result.status == "ok":
+            latest[(result.name, result.version)] = result
+    out: dict[str, list[EvalResult]] = {}
+    for (name, _), result in sorted(latest.items()):
+        out.setdefault(name, []).append(result)
+    return out
+
+
+def not_evaluated(results: Sequence[EvalResult], name: str) -> list[EvalResult]:
+    """The latest ``skipped`` result of each version of evaluation ``name`` that has no ``ok`` one."""
+    scored = {r.version for r in evaluated(results).get(name, [])}
+    skipped = {r.version: r for r in sorted(results, key=lambda r: r.ts)
+               if r.name == name and r.status != "ok" and r.version not in scored}
+    return [skipped[version] for version in sorted(skipped)]
 
 
 def step_tokens(record: Metrics) -> float | None:

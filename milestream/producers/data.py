@@ -294,8 +294,10 @@ def held_out(cfg: Config) -> list[TaskPrompt]:
     wanted = cfg.eval.num_prompts
     if cfg.eval.path:
         rows = map_rows(cfg.eval.path, Columns.of(SourceConfig(path=cfg.eval.path), cfg.data))[:wanted]
+        chat = [{} if isinstance(row.prompt, str) else {"messages": list(row.prompt)} for row in rows]
         return [TaskPrompt(i, row.text, row.label or "", {"question": row.text, "answer": row.label or "",
-                                                           "metadata": row.metadata}) for i, row in enumerate(rows)]
+                                                           "metadata": row.metadata, **messages})
+                for i, (row, messages) in enumerate(zip(rows, chat))]
     return list(_held_out_entries(cfg))
 
 

@@ -60,7 +60,8 @@ class EngineHook(Protocol):
         """Returns when a new submission may start."""
 
     async def after_version(self, engine: Engine, version: int, step: int) -> None:
-        """Called once the engine has applied ``version``."""
+        """Called once the engine has applied ``version``, and with version 0 (step 0) when it starts on the
+        initial weights, before it admits any prompt."""
 
     def close(self) -> None: ...
 
@@ -216,6 +217,8 @@ class RolloutWorker:
                 for record in newer if receiver.every_version else newer[-1:]:
                     await self._apply(receiver, record, noise)
                 if noise is None or not noise.pending:
+                    if not self.weights_ready.is_set() and self.engine.version == 0:
+                        await self.hook.after_version(self.engine, 0, 0)
                     self.weights_ready.set()
         except Exception:
             log.exception("engine %s stopped following weight versions", self.worker_id)  # never silently stale

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
 
@@ -15,13 +16,14 @@ import torch
 
 from milestream.config import Config
 from milestream.evaluate.evaluation import EngineEvaluation, EvaluationLoop, HeldOut, SharedEvaluation, shared_evaluation, \
-    VersionFeed, held_out_prompts
+    VersionFeed, finish_evaluation, held_out_prompts
 from milestream.evaluate.external import ExternalEvaluation
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, load_trainable_state_dict, trainable_state_dict
-from milestream.engines.engine import CpuEngine, GenerateRequest, SamplingParams
+from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
 from milestream.producers.loader import load_prompts
 from milestream.producers.data import prompt_stream
+from milestream.producers.tasks import chat_input_ids
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
 from milestream.schemas.records import WeightVersion
@@ -199,25 +201,23 @@ def test_shared_engine_pauses_new_submissions_and_aborts_nothing_in_flight(cfg, 
     assert [(r.version, r.status) for r in on_topic(cfg)] == [(2, "ok")]
 
 
-def test_shared_mode_runs_inside_the_rollout_worker(cfg):
-    cfg = eval_cfg(cfg, mode="shared", shared_worker="w-eval")
-    publish_versions(cfg, range(3, 4))  # the engine jumps from 0 to 3, over the due version 2: 3 is evaluated
-    load_prompts(cfg, count=8)
+def run_shared_worker(cfg: Config, enough: Callable[[list, list], bool]) -> tuple[list, list]:
+    """Worker ``w-eval`` with its shared evaluation, until ``enough(results, trajectories)``: both as seen."""
     worker = RolloutWorker(cfg, "w-eval", CpuEngine(cfg.model, cfg.rollout), load_tokenizer(cfg.model),
                            shared_evaluation(cfg, "w-eval"))
     trajectories = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))
     seen, results = [], []
 
-    def evaluated_and_rolled_out() -> bool:
+    def done() -> bool:
         results.extend(on_topic(cfg)[len(results):])
         seen.extend(r for d in trajectories.drain(idle_s=0.2, max_wait_s=2) for r in d.records)
-        return bool(results) and len(seen) >= cfg.rollout.group_size
+        return enough(results, seen)
 
     async def run() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         for _ in range(240):
-            if await asyncio.to_thread(evaluated_and_rolled_out):
+            if await asyncio.to_thread(done):
                 break
             await asyncio.sleep(0.5)
         stop.set()
@@ -226,5 +226,84 @@ def test_shared_mode_runs_inside_the_rollout_worker(cfg):
 
     asyncio.run(run())
     trajectories.close()
+    return results, seen
+
+
+def test_shared_mode_runs_inside_the_rollout_worker(cfg):
+    cfg = eval_cfg(cfg, mode="shared", shared_worker="w-eval")
+    publish_versions(cfg, range(3, 4))  # the engine jumps from 0 to 3, over the due version 2: 3 is evaluated
+    load_prompts(cfg, count=8)
+    results, seen = run_shared_worker(cfg, lambda results, seen: bool(results) and len(seen) >= cfg.rollout.group_size)
     assert [(r.version, r.step, r.status) for r in results] == [(3, 3, "ok")]
     assert seen and all(t.status != "aborted" and set(t.token_versions) == {3} for t in seen)
+
+
+def test_shared_evaluation_scores_the_initial_weights_before_any_rollout(cfg):
+    cfg = eval_cfg(cfg, mode="shared", shared_worker="w-eval")
+    load_prompts(cfg, count=8)  # no weight version published: the engine starts on the initial weights
+    results, seen = run_shared_worker(cfg, lambda results, seen: bool(seen))
+    (result,) = results
+    assert (result.version, result.step, result.status, result.lag_steps) == (0, 0, "ok", 0)
+    assert result.ts <= min(t.submitted_at for t in seen)  # published before the first group started
+
+
+class ScriptedEngine:
+    """Answers evaluation request ``eval-vV/i`` with ``answers[i]`` (greedy outputs, made up)."""
+
+    def __init__(self, tokenizer, answers: list[str], version: int = 0):
+        self.tokenizer, self.answers, self.version = tokenizer, answers, version
+        self.prompts: list[tuple[int, ...]] = []
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.prompts.append(request.input_ids)
+        index = int(request.request_id.rsplit("/", 1)[1])
+        ids = tuple(self.tokenizer(self.answers[index], add_special_tokens=False)["input_ids"])
+        return GenerateResult(request.request_id, ids, (0.0,) * len(ids), (self.version,) * len(ids), "stop")
+
+
+def test_held_out_scores_with_the_configured_reward_on_the_rollout_prompt(cfg, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(PLUGINS)
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 2?"}], "label": str(i + 2)} for i in range(4)]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 9 + 2?"}], "label": "11"}) + "\n")
+    cfg = cfg.with_overrides(data={"path": str(train), "prompt_key": "messages", "system_prompt": "Be brief."},
+                             reward={"fn": "reward_hooks:graded"}, eval={"path": str(held), "num_prompts": 4})
+    tokenizer = load_tokenizer(cfg.model)
+    engine = ScriptedEngine(tokenizer, [row["label"] if i % 2 == 0 else "wrong answer" for i, row in enumerate(rows)])
+    (scored,) = asyncio.run(HeldOut(cfg, tokenizer).score(engine, 0))
+
+    # reward_hooks:graded gives {correct, short}: the score is their sum's mean, each component in the detail
+    detail = json.loads(scored.detail)
+    assert scored.value == 1.0 and detail["components"] == {"correct": 0.5, "short": 0.5}
+    assert detail["reward_errors"] == 0 and detail["prompts"] == 4
+    # the prompt as rollout builds it: the system prompt, the row's own chat messages
+    expected = chat_input_ids(tokenizer, [{"role": "system", "content": "Be brief."}, *rows[0]["messages"]], "")
+    assert engine.prompts[0] == tuple(expected)
+
+
+def test_held_out_score_of_the_demo_is_accuracy_without_the_format_reward(cfg):
+    cfg = eval_cfg(cfg, mode="shared")
+    tokenizer = load_tokenizer(cfg.model)
+    heldout = HeldOut(cfg, tokenizer)
+    answers = [f"{p.answer}</answer>" if i % 2 else "no tag" for i, p in enumerate(heldout.prompts)]
+    (scored,) = asyncio.run(heldout.score(ScriptedEngine(tokenizer, answers), 0))
+    assert scored.value == 0.5  # half right, their closed tags earn nothing (data.format_reward is 0.1)
+    assert heldout.input_ids[0] == tuple(chat_input_ids(
+        tokenizer, [{"role": "system", "content": cfg.data.system_prompt},
+                    {"role": "user", "content": heldout.prompts[0].question}], cfg.data.assistant_prefill))
+
+
+def test_the_version_a_run_ends_on_is_evaluated_once_and_a_failure_is_skipped(cfg):
+    cfg = eval_cfg(cfg, mode="shared")
+    publish_versions(cfg, range(1, 4))  # nothing on eval.results: the newest version has no result
+    everything, new = finish_evaluation(cfg)
+    assert everything == new and [(r.version, r.step, r.status, r.lag_steps) for r in new] == [(3, 3, "ok", 0)]
+    assert finish_evaluation(cfg) == (new, [])  # it has a result now: nothing runs again
+
+    publish_versions(cfg, range(4, 5))
+    Path(cfg.run.run_dir, "weights", "v000004.safetensors").unlink()
+    everything, (gone,) = finish_evaluation(cfg)
+    assert (gone.version, gone.status) == (4, "skipped") and "v000004.safetensors is gone" in gone.detail
+    assert [r.version for r in everything] == [3, 4]

@@ -9,8 +9,12 @@ import matplotlib.image
 from metrics_records import STEPS, publish_run
 
 from milestream import cli
+from milestream.infra.kafka import RecordProducer
 from milestream.log.archive import Archiver
 from milestream.observe.plots import PLOTS, load_series
+from milestream.observe.series import evaluated
+from milestream.schemas import topics
+from milestream.schemas.records import EvalResult
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -27,7 +31,11 @@ def plotted_fraction(data: bytes) -> float:
 
 
 def test_plots_of_an_archived_run(cfg, capsys):
-    publish_run(cfg)
+    t0 = publish_run(cfg)
+    producer = RecordProducer(cfg.broker)
+    for version, score in ((0, 0.1), (2, 0.4)):  # held-out scores, drawn on the reward plot
+        producer.send(topics.EVAL_RESULTS, [EvalResult("heldout", version, version, score, 0, "ok", "{}", t0 + version)])
+    producer.flush()
     stop = threading.Event()
     stop.set()  # no live phase: archive what the topics hold, flush, stop
     Archiver(cfg, idle_s=1.0).run(stop)
@@ -38,6 +46,7 @@ def test_plots_of_an_archived_run(cfg, capsys):
     assert series.drops_by("reason") == {"stale": 2, "filtered": 1}
     assert [size for _, size in series.queue_points()] == [1.0, 2.0, 3.0]
     assert [step for step, _ in series.throughput()] == list(range(1, STEPS + 1))
+    assert [(r.step, r.score) for r in evaluated(series.evals)["heldout"]] == [(0, 0.1), (2, 0.4)]
 
     assert cli.main(["plot", "--run-dir", str(cfg.run_path)]) == 0  # no broker given, none needed
     written = capsys.readouterr().out
