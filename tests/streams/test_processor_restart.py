@@ -13,11 +13,10 @@ from __future__ import annotations
 import collections
 import random
 
-from confluent_kafka import Consumer, TopicPartition
 import numpy as np
 from synthetic import ProcessorProcess, all_partitions, expert_ids, group_records, topic_reader, wait_until
 
-from milestream.infra.kafka import RecordProducer, client_config, topic_name
+from milestream.infra.kafka import LogAdmin, RecordProducer, topic_name
 from milestream.schemas import routing, topics
 from milestream.streams.ledger import SETTLED, BufferLedger
 from milestream.streams.processor import app_id
@@ -54,12 +53,9 @@ def read_topic(cfg, spec) -> list:
 
 def committed(cfg) -> dict[tuple[str, int], int]:
     """The processor group's committed offset of every source partition (0 where none yet)."""
-    consumer = Consumer(client_config(cfg.broker, **{"group.id": app_id(cfg), "enable.auto.commit": "false"}))
-    try:  # an offset fetch only: this consumer never joins the group
-        wanted = [TopicPartition(topic_name(cfg.broker, s), p) for s in SOURCES for p in all_partitions(cfg, s)]
-        return {(tp.topic, tp.partition): max(tp.offset, 0) for tp in consumer.committed(wanted, timeout=10)}
-    finally:
-        consumer.close()
+    offsets = LogAdmin(cfg.broker).committed(app_id(cfg))  # an offset fetch only: it never joins the group
+    wanted = [(topic_name(cfg.broker, s), p) for s in SOURCES for p in all_partitions(cfg, s)]
+    return {position: offsets.get(position, 0) for position in wanted}
 
 
 def log_ends(cfg) -> dict[tuple[str, int], int]:
