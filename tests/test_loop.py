@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from stage_runs import run_showing_logs
 
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import BrokerSource
 from milestream.observe.recompute import replay_step
-from milestream.orchestrator import run_loop
 from milestream.schemas import topics
 from milestream.schemas.records import LogProbs, Trajectory
 
@@ -35,16 +35,6 @@ def loop_cfg(cfg, monkeypatch):
     return cfg.with_overrides(buffer={"filter": "loop_filters:reject_every_third_prompt", "max_staleness": 1},
                               trainer={"steps": 4, "checkpoint_every": 2}, run={"max_wall_s": 240},
                               eval={"mode": "shared"})  # as in the default run
-
-
-def run_showing_logs(cfg) -> dict:
-    """run_loop's summary; on failure, the tail of each stage's log."""
-    try:
-        return run_loop(cfg)
-    except BaseException:
-        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
-            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-        raise
 
 
 def test_whole_loop(loop_cfg):
@@ -105,7 +95,6 @@ def test_whole_loop(loop_cfg):
         result = replay_step(cfg, cfg.run.run_dir, step)
         assert result.from_checkpoint == expected_checkpoint
         assert result.bitwise_equal, (result.logged, result.replayed)
-
 
 
 def test_a_run_stopped_by_its_wall_budget_evaluates_the_version_it_ends_on(cfg, capsys):

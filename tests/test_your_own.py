@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from model_folders import tiny_llama_folder
+from stage_runs import run_showing_logs
 from transformers import AutoModelForCausalLM
 
 from milestream.cli import main
 from milestream.log.audit import archived_lineage, audit_run
-from milestream.orchestrator import run_loop
 from milestream.train import checkpoint
 from milestream.train.learner import Learner
 
@@ -55,12 +55,7 @@ def trainer_logits_at_last_checkpoint(cfg) -> tuple[int, torch.Tensor]:
 
 def test_your_model_data_and_reward_train_and_export(own_cfg, tmp_path):
     cfg = own_cfg
-    try:
-        summary = run_loop(cfg)
-    except BaseException:
-        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
-            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-        raise
+    summary = run_showing_logs(cfg)
     assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
     assert summary["buffer"]["unaccounted"] == 0, summary["buffer"]  # no credit leaked by the failing rewards
 

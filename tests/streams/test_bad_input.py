@@ -6,12 +6,11 @@ from __future__ import annotations
 import random
 import threading
 import time
-from pathlib import Path
 
+from stage_runs import run_showing_logs
 from synthetic import logprobs, topic_reader, trajectory, wait_until
 
 from milestream.infra.kafka import RawConsumer, RecordProducer, topic_name
-from milestream.orchestrator import run_loop
 from milestream.schemas import topics
 from milestream.schemas.codec import encode, headers_for
 from milestream.schemas.records import LogProbs, Trajectory
@@ -94,12 +93,7 @@ def test_bad_input_is_dead_lettered_and_the_loop_completes(cfg, tmp_path, monkey
     holds.arm("trainer.published")
     injector = Injector(cfg, values, holds)
     injector.start()
-    try:
-        summary = run_loop(cfg)
-    except BaseException:
-        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
-            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-        raise
+    summary = run_showing_logs(cfg)
     injector.join(timeout=30)
     assert injector.error is None and injector.injected
     assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
