@@ -1,15 +1,38 @@
-"""``milestream run`` from a test: its summary, or, when it fails, the tail of each stage's log."""
+"""Stages run from a test: ``milestream run`` showing its logs when it fails; a rollout worker run until a
+condition holds, and the groups it published."""
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
+from milestream.infra.kafka import RecordConsumer
 from milestream.orchestrator import run_loop
+from milestream.producers.worker import RolloutWorker
 
 
 def run_showing_logs(cfg) -> dict:
+    """run_loop's summary; on failure, the tail of each stage's log."""
     try:
         return run_loop(cfg)
     except BaseException:
         for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
             print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
         raise
+
+
+def published_groups(consumer: RecordConsumer, seen: dict[str, list]) -> dict[str, list]:
+    for delivery in consumer.drain(idle_s=0.5, max_wait_s=5):
+        for record in delivery.records:
+            seen.setdefault(record.group_id, []).append(record)
+    return seen
+
+
+async def run_until(worker: RolloutWorker, condition, timeout: float = 120.0) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(condition) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    stop.set()
+    await task

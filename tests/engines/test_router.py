@@ -246,7 +246,7 @@ def test_rollout_worker_generates_through_the_router(cluster: Cluster, cfg) -> N
     from milestream.producers.loader import load_prompts
     from milestream.producers.worker import RolloutWorker, make_engine
     from milestream.schemas import topics
-    from test_worker import published_groups, run_until
+    from stage_runs import published_groups, run_until
 
     cfg = cfg.with_overrides(rollout={"engine_url": cluster.router, "group_size": 2})
     load_prompts(cfg, count=4)

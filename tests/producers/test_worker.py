@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
+
+from stage_runs import published_groups, run_until
 
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.model import load_tokenizer
@@ -11,23 +12,6 @@ from milestream.producers.loader import load_prompts
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger
-
-
-def published_groups(consumer: RecordConsumer, seen: dict[str, list]) -> dict[str, list]:
-    for delivery in consumer.drain(idle_s=0.5, max_wait_s=5):
-        for record in delivery.records:
-            seen.setdefault(record.group_id, []).append(record)
-    return seen
-
-
-async def run_until(worker: RolloutWorker, condition, timeout: float = 120.0) -> None:
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(condition) and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-    stop.set()
-    await task
 
 
 def test_worker_publishes_groups_and_stalls_without_credit(cfg):
