@@ -85,9 +85,8 @@ def reward_sample(cfg: Config, prompt: Prompt, prompt_ids: tuple[int, ...], resu
     (as in training); an ``eval.path`` row gives its label and metadata."""
     entry = json.loads(prompt.entry_json)
     label, metadata = (entry["answer"] or None, entry["metadata"]) if cfg.eval.path else (prompt.answer, entry)
-    return RewardSample(source=prompt.dataset, prompt=prompt.question, messages=tuple(prompt_messages(cfg, prompt)),
-                        response=text, label=label, metadata=metadata, prompt_ids=prompt_ids,
-                        response_ids=tuple(result.output_ids), finish_reason=result.finish_reason)
+    return RewardSample.of(cfg, prompt, label, metadata, response=text, prompt_ids=prompt_ids,
+                           response_ids=tuple(result.output_ids), finish_reason=result.finish_reason)
 
 
 class HeldOut:

@@ -29,8 +29,9 @@ from typing import Any, Protocol
 import aiohttp
 
 from milestream.config import Config, import_path
-from milestream.producers.data import source_named
+from milestream.producers.data import prompt_messages, source_named
 from milestream.producers.tasks import score, tag_score
+from milestream.schemas.records import Prompt
 
 # ---- the contract -----------------------------------------------------------------------------------
 
@@ -50,6 +51,14 @@ class RewardSample:
     finish_reason: str = "stop"  # stop | length | abort
     turns: int = 1
     tool_calls: int = 0
+
+    @classmethod
+    def of(cls, cfg: Config, prompt: Prompt, label: str | None, metadata: Mapping[str, Any], **generated: Any
+           ) -> "RewardSample":
+        """The sample of ``prompt`` as the policy saw it (its chat messages); ``generated``: response, ids,
+        finish reason, turns, tool calls."""
+        return cls(source=prompt.dataset, prompt=prompt.question, messages=tuple(prompt_messages(cfg, prompt)),
+                   label=label, metadata=metadata, **generated)
 
 
 @dataclass(frozen=True)

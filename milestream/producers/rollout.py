@@ -122,12 +122,9 @@ class RolloutContext:
         return rewards
 
     def reward_sample(self, prompt: Prompt, sample: Sample) -> RewardSample:
-        label, metadata = reward_inputs(self.cfg, prompt)
-        return RewardSample(
-            source=prompt.dataset, prompt=prompt.question,
-            messages=tuple(prompt_messages(self.cfg, prompt)), response=sample.answer_text, label=label,
-            metadata=metadata, prompt_ids=tuple(sample.prompt_ids), response_ids=tuple(sample.response_ids),
-            finish_reason=sample.finish_reason, turns=sample.turns, tool_calls=sample.tool_calls)
+        return RewardSample.of(self.cfg, prompt, *reward_inputs(self.cfg, prompt), response=sample.answer_text,
+                               prompt_ids=tuple(sample.prompt_ids), response_ids=tuple(sample.response_ids),
+                               finish_reason=sample.finish_reason, turns=sample.turns, tool_calls=sample.tool_calls)
 
 
 @dataclass(frozen=True)
