@@ -151,9 +151,13 @@ def _eval(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _engine(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.engines.engine_server import serve_engines
+    if args.engines > 1:
+        from milestream.engines.fleet import serve_engines
 
-    serve_engines(cfg, host=args.host, port=args.port, engine_id=args.engine_id, count=args.engines)
+        return serve_engines(cfg, host=args.host, port=args.port, engine_id=args.engine_id, count=args.engines)
+    from milestream.engines.engine_server import serve_engine
+
+    serve_engine(cfg, host=args.host, port=args.port, engine_id=args.engine_id)
     return 0
 
 
@@ -276,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--host", default="127.0.0.1")
             command.add_argument("--port", type=int, default=30001, help="0: a free port (printed when ready)")
             command.add_argument("--engine-id", default="engine-0", help="with --engines N: ENGINE_ID-0 ... -N-1")
-            command.add_argument("--engines", type=int, default=1, help="engine processes (forked after the imports)")
+            command.add_argument("--engines", type=int, default=1, help="engine processes (each started fresh)")
         if name == "router":
             command.add_argument("--sglang", action="store_true",
                                  help="run sglang-router 0.3.2 (manual policy, min_load) on router.* instead")

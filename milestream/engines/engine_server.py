@@ -23,10 +23,7 @@ top_k, penalties, streaming, batched prompts) is refused with HTTP 400 naming th
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
-import traceback
 import uuid
 import zlib
 from http import HTTPStatus
@@ -224,45 +221,6 @@ def parse_update_from_disk(body: dict[str, Any]) -> tuple[Path, int]:
         return path, int(raw_version)
     except (TypeError, ValueError):
         raise BadRequest("weight_version", f"expected an integer version, got {raw_version!r}") from None
-
-
-def serve_engines(cfg: Config, *, host: str, port: int, engine_id: str, count: int = 1) -> None:
-    """``count`` engine processes on ports ``port``, ``port + 1``, ... (port 0: free ones), ids
-    ``ENGINE_ID-0``, ``-1``, ...; forked once the imports are done, which cost seconds per process."""
-    if count == 1:
-        serve_engine(cfg, host=host, port=port, engine_id=engine_id)
-        return
-    running: set[int] = set()
-    for index in range(count):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                serve_engine(cfg, host=host, port=port + index if port else 0, engine_id=f"{engine_id}-{index}")
-                code = 0
-            except BaseException:  # noqa: BLE001 - the child must exit here, never return into the parent's code
-                traceback.print_exc()
-            finally:
-                os._exit(code)
-        running.add(pid)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: _terminate(running))
-    worst = 0
-    while running:
-        pid, status = os.wait()
-        running.discard(pid)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:  # one engine is gone: stop the others, so whoever waits for all of them hears of it
-            _terminate(running)
-            worst = worst or code
-    # nothing left to flush; a normal exit would spend seconds tearing down the torch/transformers imports
-    os._exit(1 if worst else 0)
-
-
-def _terminate(pids: set[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
 
 
 def serve_engine(cfg: Config, *, host: str, port: int, engine_id: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -92,7 +93,10 @@ async def serve_app(app: web.Application, host: str, port: int, *, name: str,
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     bound_port = runner.addresses[0][1]
-    print(f"{name} serving http://{host}:{bound_port}", flush=True)
+    # one write: engines started together share their parent's pipe, and print() writes the line and its
+    # newline separately when Python runs unbuffered (PYTHONUNBUFFERED), so their lines could interleave
+    sys.stdout.write(f"{name} serving http://{host}:{bound_port}\n")
+    sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,6 +7,7 @@ the router counts the previous one as in flight.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import signal
 import subprocess
@@ -38,8 +39,10 @@ class Cluster:
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
+    # its own process group, with faulthandler on: a hung server is sent SIGABRT and its stacks land in its log
     return subprocess.Popen([sys.executable, "-m", "milestream.cli", *args], stdout=subprocess.PIPE,
-                            stderr=log.open("w"), text=True)
+                            stderr=log.open("w"), text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
 
 
 def _ready_urls(process: subprocess.Popen, count: int, log: Path, hang_guard_s: float = 300.0) -> dict[str, str]:
@@ -58,6 +61,8 @@ def _ready_urls(process: subprocess.Popen, count: int, log: Path, hang_guard_s: 
         try:
             line = lines.get(timeout=hang_guard_s)
         except queue.Empty:
+            os.killpg(process.pid, signal.SIGABRT)  # every process of the server writes its stacks
+            process.wait(timeout=30)
             raise RuntimeError(f"no server ready after {hang_guard_s:.0f} s: {log.read_text()[-3000:]}") from None
         if not line:
             raise RuntimeError(f"server exited before it was ready: {log.read_text()[-3000:]}")
