@@ -1,9 +1,9 @@
 """Random SIGKILLs under ``milestream run`` (every stage, the embedded broker and Redis); the run audited from its log.
 
 ``milestream run`` runs as its own process, with its own embedded broker and Redis. Once it has made
-``--warmup-steps`` steps, a killer waits a random ``--min-wait-s`` .. ``--max-wait-s`` seconds, and at
-least one more trainer step since its last kill (so the run keeps making progress, whatever it had to
-restart), then picks a target uniformly among those alive at that moment (a rollout worker, the
+``--warmup-steps`` steps, a killer waits a random ``--min-wait-s`` .. ``--max-wait-s`` seconds, and a
+trainer step past the furthest one made before its last kill (so the run keeps making progress,
+whatever it had to restart and redo), then picks a target uniformly among those alive at that moment (a rollout worker, the
 processor, the trainer, the archiver, the prompt feeder, the verifier, the metrics stage, an
 evaluator, the embedded broker, the embedded Redis) and SIGKILLs it; none once the run is within
 ``--quiet-steps`` of its last step, so its end (summary, ledger balance) is left alone. The run gets
@@ -25,8 +25,9 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
                         or in the stall; ``buffer``: its terms
   in_flight_without_records  buffer.in_flight less the groups on rollout.trajectories with no outcome:
                         admissions no group on the log accounts for. The balance counts admissions, so a
-                        credit taken again for a prompt redone after a rollout-worker kill shows here, not
-                        in credit_leaked; so do groups admitted but not yet published when the run stopped
+                        credit taken again for a prompt redone after a rollout-worker kill shows here (at
+                        least: its first, half-published attempt is still a group without outcome), not in
+                        credit_leaked; groups admitted but not yet published when a run ends show here too
   reward_first, reward_last  mean training reward over the first and the last quarter of the steps
   max_gap_after_rollout_kill_s  the longest interval between two consecutive trainer steps that
                         overlaps [kill, kill + --window-s] of a rollout-worker kill (max_gap_after_kill_s:
@@ -154,10 +155,10 @@ def kill_at_random(args: argparse.Namespace, run: Run, planned: int, rng: random
     """SIGKILL ``args.kills`` random targets (see the module docstring); returns (time, target) of each hit."""
     allowed = set(args.targets.split(","))
     kills: list[tuple[float, str]] = []
+    reached = args.warmup_steps - 1  # the furthest step when the last kill came
 
-    def progressed() -> bool:  # the warm-up's steps before the first kill, a step made since each later one
-        steps = run.trainer_steps()
-        return any(ts > kills[-1][0] for _, ts in steps) if kills else len({s for s, _ in steps}) >= args.warmup_steps
+    def progressed() -> bool:  # a step past that one, made after the kill (redone steps do not count)
+        return any(step > reached and ts > (kills[-1][0] if kills else 0.0) for step, ts in run.trainer_steps())
 
     while len(kills) < args.kills and run.wait_for(progressed):
         time.sleep(rng.uniform(args.min_wait_s, args.max_wait_s))
