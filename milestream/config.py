@@ -178,6 +178,13 @@ class RolloutConfig(Section):
     agent_fn: str | None = None  # a multi-turn episode loop (with generate_fn ...:agent_episode; sessions.match)
     max_turns: int = 4  # assistant turns per episode (agents read it)
     max_context_tokens: int = 1024  # an episode ends (truncated) before a turn would pass this
+    # a failed sample is published as an error and its group dropped; this many failed groups within
+    # error_window_s stop the worker (exit code 3), and `milestream run` with it, naming the last error
+    max_errors: int = 20
+    error_window_s: float = 60.0
+    # a worker told to stop (SIGTERM: scaled in) lets its groups finish this long, then records the
+    # unfinished samples as aborted (their groups are dropped, or retried per buffer.unused)
+    stop_grace_s: float = 10.0
 
 
 class SandboxConfig(Section):
@@ -196,8 +203,8 @@ class BufferConfig(Section):
     selector: str = "milestream.train.collector:fifo"
     # what happens to the prompt of a group that went unused: drop it, or retry (back on prompts)
     unused: Literal["drop", "retry"] = "drop"
-    retry_reasons: tuple[Literal["stale", "aborted", "incomplete", "filtered", "reward_error"], ...] = (
-        "stale", "aborted", "incomplete")
+    retry_reasons: tuple[Literal["stale", "aborted", "incomplete", "filtered", "reward_error", "error"], ...] = (
+        "stale", "aborted", "incomplete", "error")
     max_retries: int = 1
     metrics_interval_s: float = 2.0
     # a group still missing records this long after its first one is dropped (reason "incomplete")

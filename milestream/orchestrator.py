@@ -10,7 +10,8 @@
 
 Supervision: a stage that dies (a crash, an OOM kill, a SIGKILL) is started again, up to
 ``run.max_restarts`` times each; the log is what makes that safe (the processor rebuilds its partial
-groups, the trainer resumes from its checkpoint, rollout re-reads uncommitted prompts). If the
+groups, the trainer resumes from its checkpoint, rollout re-reads uncommitted prompts). A rollout worker
+that stops itself because failures persist (exit code 3) stops the run, with its last error. If the
 embedded broker dies, every stage stops, a new broker comes up on the same port, the archive is
 republished into it, and the stages start again.
 """
@@ -28,6 +29,7 @@ from milestream.infra.kafka import Admin
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.log.lineage import Lineage
 from milestream.observe.feed import TopicFeed
+from milestream.producers.worker import EXIT_GAVE_UP
 from milestream.observe.report import write_report
 from milestream.producers.inputs import check_inputs
 from milestream.schemas import topics
@@ -133,6 +135,8 @@ def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child
         code = child.proc.poll()
         if code is None or (child is trainer and code == 0):
             continue
+        if code == EXIT_GAVE_UP:
+            raise RuntimeError(f"stage {child.name} stopped the run:\n{child.tail(8)}")
         if child.lives > cfg.run.max_restarts:
             raise RuntimeError(f"stage {child.name} exited with {code}, {child.lives} lives, more than "
                                f"run.max_restarts ({cfg.run.max_restarts}):\n{child.tail()}")

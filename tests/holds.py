@@ -40,3 +40,10 @@ class Holds:
     def release(self, point: str, pid: int) -> None:
         """Let the holder go on; also forgets the hold of a process that was killed there."""
         (self.directory / f"{point}.held.{pid}").unlink(missing_ok=True)
+
+    def fail(self, point: str) -> None:
+        """Every process that passes ``point`` raises there until ``recover``."""
+        (self.directory / f"{point}.fail").touch()
+
+    def recover(self, point: str) -> None:
+        (self.directory / f"{point}.fail").unlink(missing_ok=True)

@@ -142,9 +142,12 @@ class RecordConsumer(Generic[R]):
                     "fetch.wait.max.ms": str(cfg.fetch_wait_ms), **GROUP_TIMEOUTS, **extra}
         self.consumer = Consumer(client_config(cfg, **settings))
         self.topic = topic_name(cfg, spec)
+        self.subscribed = False
 
     def subscribe(self) -> "RecordConsumer[R]":
+        """Share the topic's partitions with the other members of the group (they rebalance as members come and go)."""
         self.consumer.subscribe([self.topic])
+        self.subscribed = True
         return self
 
     def assign(self, offsets: dict[int, int] | None = None, partitions: Iterable[int] = ()) -> "RecordConsumer[R]":
@@ -174,6 +177,17 @@ class RecordConsumer(Generic[R]):
                 continue
             return Delivery(position, msg.key(), records, msg.timestamp()[1] / 1000.0)
 
+    def keep_place(self, seconds: float) -> None:
+        """Serve the group for ``seconds`` (its rebalances, its heartbeats) without taking a record: a member
+        busy elsewhere keeps its place, and a worker joining or leaving never waits for it."""
+        self.consumer.pause(self.consumer.assignment())
+        try:
+            msg = self.consumer.poll(seconds)
+            if msg is not None and msg.error() is None:  # from a partition assigned during the poll: put it back
+                self.consumer.seek(TopicPartition(msg.topic(), msg.partition(), msg.offset()))
+        finally:
+            self.consumer.resume(self.consumer.assignment())
+
     def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Delivery[R]]:
         """Everything until the topic stays quiet for ``idle_s`` (tansu's end offsets are unreliable)."""
         out: list[Delivery[R]] = []
@@ -185,8 +199,22 @@ class RecordConsumer(Generic[R]):
             out.append(delivery)
         return out
 
-    def commit(self, offsets: dict[int, int]) -> None:
-        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()], asynchronous=False)
+    def commit(self, offsets: dict[int, int]) -> bool:
+        """Commit next offsets (partition -> offset). A subscribed member commits only the partitions it owns
+        now: a revoked partition is its new owner's to commit. False when the broker refused (a rebalance
+        under way); the caller's next commit carries the same offsets."""
+        if self.subscribed:
+            owned = {tp.partition for tp in self.consumer.assignment()}
+            offsets = {p: o for p, o in offsets.items() if p in owned}
+        if not offsets:
+            return True
+        try:
+            self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()],
+                                 asynchronous=False)
+        except KafkaException as exc:
+            log.warning("%s: commit of %s refused (%s); the next commit carries it", self.topic, offsets, exc)
+            return False
+        return True
 
     def committed(self, partitions: Iterable[int]) -> dict[int, int]:
         """The group's committed next offsets of ``partitions`` (a partition never committed: absent)."""

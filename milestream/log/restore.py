@@ -153,7 +153,7 @@ class Accounting:
     queued: dict[str, int]  # group id -> oldest token version, for the groups the trainer will read
     prompts_admitted: int
     held: int  # groups that will give a credit back without taking one
-    readmitted_settled: int  # prompts rollout will admit again although their group already left
+    in_flight: tuple[str, ...]  # of those, the groups the processor has yet to settle
 
 
 def _rows(run_dir: Path, spec: topics.TopicSpec) -> list[tuple[int, int, dict[str, Any]]]:
@@ -204,9 +204,8 @@ def derive_accounting(cfg: Config, run_dir: str | Path, archived: ArchivedRun, r
       (b) a group whose prompt lies below rollout's committed offset (it will not be admitted again)
           and that has not left yet (no buffer.groups / buffer.dropped record) will be settled by the
           processor: it holds one;
-      (c) a group whose prompt lies at or past that offset is admitted again and takes a new credit;
-          if it had already left, the processor treats its records as duplicates and never returns
-          that credit, so one is added back in advance.
+      (c) a group whose prompt lies at or past that offset is admitted again: it takes a new credit
+          unless the processor has settled it (then admission skips it, streams/ledger.py).
     The feeder's admitted count is set so that published - admitted = the prompts rollout will read.
     """
     run_dir = Path(run_dir)
@@ -217,10 +216,9 @@ def derive_accounting(cfg: Config, run_dir: str | Path, archived: ArchivedRun, r
                   if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}
     unread = {g for g, (p, o) in prompt_at.items() if o >= rollout_offsets.get(p, 0)}
     pending = entered - unread - left
-    settled_again = entered & unread & left
     held = len(to_collect) + len(pending)
-    return Accounting(cfg.buffer_capacity - held + len(settled_again), to_collect,
-                      max(0, prompts_published - len(unread)), held, len(settled_again))
+    return Accounting(cfg.buffer_capacity - held, to_collect, max(0, prompts_published - len(unread)), held,
+                      tuple(sorted(pending)))
 
 
 def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_group: str | None = None) -> Accounting:
@@ -243,7 +241,8 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
     unsettled = rewind_processor(cfg, archived, restored)
     accounting = derive_accounting(cfg, run_dir, archived, rollout_offsets, state.offsets, state.seen_groups,
                                    ledger.prompts_published())
-    ledger.reconcile(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted, tuple(unsettled)))
+    ledger.reconcile(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted, tuple(unsettled),
+                                accounting.in_flight))
     log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", accounting,
              len(unsettled))
     if accounting.credit < 0:
