@@ -1,5 +1,5 @@
-"""Stages run from a test: ``milestream run`` showing its logs when it fails, or in a thread the test
-watches; a rollout worker run until a condition holds, and the groups it published."""
+"""Stages run from a test: ``milestream run`` showing its logs when it fails (any stage logs: print_log_tails),
+or in a thread the test watches; a rollout worker run until a condition holds, and the groups it published."""
 from __future__ import annotations
 
 import asyncio
@@ -12,13 +12,18 @@ from milestream.orchestrator import run_loop
 from milestream.producers.worker import RolloutWorker
 
 
+def print_log_tails(log_dir: Path, lines: int = 40) -> None:
+    """The last ``lines`` of every stage log in ``log_dir`` (pytest shows them with a failure)."""
+    for log in sorted(log_dir.glob("*.log")):
+        print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+
+
 def run_showing_logs(cfg) -> dict:
     """run_loop's summary; on failure, the tail of each stage's log."""
     try:
         return run_loop(cfg)
     except BaseException:
-        for log in sorted((Path(cfg.run.run_dir) / "logs").glob("*.log")):
-            print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        print_log_tails(Path(cfg.run.run_dir) / "logs")
         raise
 
 
@@ -72,5 +77,5 @@ def start_run(cfg) -> tuple[threading.Thread, dict]:
 
 
 def print_logs_unless_done(run_dir: Path, outcome: dict) -> None:
-    for log in sorted((run_dir / "logs").glob("*.log")) if "summary" not in outcome else ():
-        print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+    if "summary" not in outcome:
+        print_log_tails(run_dir / "logs")

@@ -141,14 +141,23 @@ class RecordConsumer(Generic[R]):
                     "fetch.message.max.bytes": str(cfg.max_message_bytes),
                     "fetch.wait.max.ms": str(cfg.fetch_wait_ms), **GROUP_TIMEOUTS, **extra}
         self.consumer = Consumer(client_config(cfg, **settings))
-        self.topic = topic_name(cfg, spec)
+        self.topic, self.group_id = topic_name(cfg, spec), group_id
         self.subscribed = False
 
     def subscribe(self) -> "RecordConsumer[R]":
-        """Share the topic's partitions with the other members of the group (they rebalance as members come and go)."""
-        self.consumer.subscribe([self.topic])
+        """Share the topic's partitions with the other members of the group (they rebalance as members come
+        and go). Which member holds which partitions is the first question about a group that stalls, so
+        each assignment and revocation is logged; confluent-kafka still assigns after the callbacks."""
+        self.consumer.subscribe([self.topic], on_assign=self._log_partitions("assigned"),
+                                on_revoke=self._log_partitions("revoked"))
         self.subscribed = True
         return self
+
+    def _log_partitions(self, event: str) -> Callable[[Consumer, list[TopicPartition]], None]:
+        def callback(_consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            log.info("consumer group %s %s %s partitions %s", self.group_id, event, self.topic,
+                     sorted(p.partition for p in partitions))
+        return callback
 
     def assign(self, offsets: dict[int, int] | None = None, partitions: Iterable[int] = ()) -> "RecordConsumer[R]":
         """Read the given partitions from the given next offsets (the beginning where none is given)."""
