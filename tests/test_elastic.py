@@ -90,6 +90,7 @@ def test_rollout_scales_from_one_worker_to_three_and_back_with_one_killed_mid_gr
         holds.release("trainer.collected", trainer)
         runner.join(900)
     finally:
+        holds.release_all()
         for proc in extra.values():
             proc.kill()
         samples.reader.close()

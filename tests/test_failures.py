@@ -49,7 +49,7 @@ def test_an_engine_failing_for_a_while_costs_the_groups_it_failed_and_the_run_go
         holds.recover("engine.step")
         runner.join(600)
     finally:
-        holds.recover("engine.step")
+        holds.release_all()
         print_logs_unless_done(run_dir, outcome)
     summary = outcome["summary"]
     assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
