@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 # sglang-router's `manual` policy reads the same header, so one client serves both routers
@@ -27,10 +28,24 @@ class BadRequest(ValueError):
         self.field = field
 
 
-def error_response(status: int, message: str) -> web.Response:
-    """SGLang's error body (``ErrorResponse``), so SGLang clients read our errors unchanged."""
-    body = {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status}
+def error_response(status: int, message: str, **fields: Any) -> web.Response:
+    """SGLang's error body (``ErrorResponse``), so SGLang clients read our errors unchanged; ``fields``
+    are added to it (the router names the engine and session a failure concerns)."""
+    body = {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status, **fields}
     return web.json_response(body, status=status)
+
+
+def transport_failure(exc: BaseException, timeout_s: float) -> str:
+    """Why an HTTP exchange got no reply, in words: the peer refused, dropped the connection, or was silent."""
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp's own timeouts are TimeoutErrors too
+        return f"no reply within {timeout_s:g} s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"connection refused or unreachable ({exc.os_error.strerror or exc.os_error})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "connection closed before the reply (the process died or dropped it)"
+    if isinstance(exc, aiohttp.ClientOSError):
+        return f"connection broken ({exc.strerror or exc})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def reply_message(text: str) -> str:
