@@ -19,11 +19,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from aiohttp.test_utils import TestClient, TestServer
 
-from milestream.config import ModelConfig
+from milestream.config import ModelConfig, RolloutConfig
 from milestream.engines.engine import SamplingParams
 from milestream.engines.http_engine import EngineHttpError, HttpEngine, RouterClient
-from milestream.infra.model import load_model, trainable_state_dict
+from milestream.infra.model import load_model, load_tokenizer, trainable_state_dict
+from milestream.producers.sessions.server import SessionService
+from milestream.producers.sessions.templates import chat_template
 from servers import MODEL, get_json, post_json, ready_urls, start, stop
 
 REQUEST_TIMEOUT_S = 10.0  # a 4-token turn of the tiny model takes milliseconds; a silent engine costs this
@@ -207,5 +210,46 @@ def test_an_engine_that_stops_answering_times_out_and_rejoins(fleet: Fleet) -> N
             status, reply = await _turn(http, fleet, keys["e-2"][0])  # its session is refused, not re-routed
             assert status == 503 and reply["routing_key"] == keys["e-2"][0] and reply["engine"] == 2
             assert await _served_by(http, fleet, fleet.new_key()) == "e-2"  # new sessions reach it again
+
+    asyncio.run(scenario())
+
+
+def test_the_session_service_over_the_router_answers_a_lost_turn_with_502_and_releases_keys(fleet: Fleet) -> None:
+    """``sessions.backend`` at the router: a turn whose engine died is a 502 in the agent's hands naming
+    that engine, the session stays as it was (the same turn again goes to a live engine), and closing
+    the session releases its routing key."""
+    service = SessionService(chat_template(load_tokenizer(ModelConfig(name="tiny-random"))),
+                             RouterClient(fleet.router), RolloutConfig())
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http, TestClient(TestServer(service.app())) as agent:
+            for index in range(3):
+                await _state_is(http, fleet, index, "up")
+            held_before = [u["sessions"] for u in await _upstreams(http, fleet)]
+            session_id = (await (await agent.post("/sessions")).json())["session_id"]
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "sampling": {"max_new_tokens": 4}}
+            first = await agent.post(f"/sessions/{session_id}/chat", json=chat)
+            assert first.status == 200
+            chat["messages"] += [(await first.json())["message"], {"role": "user", "content": "And then?"}]
+            held = [u["sessions"] for u in await _upstreams(http, fleet)]
+            (index,) = [i for i in range(3) if held[i] == held_before[i] + 1]
+
+            fleet.processes[index].kill()
+            await _state_is(http, fleet, index, "down")  # the probe is refused
+            lost = await agent.post(f"/sessions/{session_id}/chat", json=chat)
+            assert lost.status == 502
+            assert f"HTTP 503: session {session_id!r} was on engine {index} rank 0 {fleet.urls[index]}" in (
+                await lost.json())["error"]
+            again = await agent.post(f"/sessions/{session_id}/chat", json=chat)
+            assert again.status == 200, await again.text()
+            (sample,) = (await (await agent.delete(f"/sessions/{session_id}")).json())["samples"]
+            mask = [0, *sample["loss_mask"]]
+            generated_turns = sum(1 for a, b in zip(mask, mask[1:]) if (a, b) == (0, 1))
+            assert generated_turns == 2  # one history of two turns: the lost turn left no trace
+            assert sum(u["sessions"] for u in await _upstreams(http, fleet)) == sum(held_before) - held_before[index]
+            await service.backend.close()
+
+            await asyncio.to_thread(fleet.restart, index)
+            await _state_is(http, fleet, index, "up")
 
     asyncio.run(scenario())
