@@ -319,7 +319,10 @@ class RouterConfig(Section):
     port: int = 30000
     key_header: str = "X-SMG-Routing-Key"  # the session's routing key; sglang-router's manual policy reads it too
     max_sessions: int = 65536  # routing keys remembered; beyond it the least recently used is forgotten
-    request_timeout_s: float = 600.0
+    # an upstream with no reply within it (to a request or a health probe) is marked down and the request
+    # answered 502; so it bounds a generation too: keep it above the longest one, pauses included
+    request_timeout_s: float = Field(600.0, gt=0)
+    health_interval_s: float = Field(2.0, gt=0)  # GET /health of every upstream this often: down ones rejoin
 
     @field_validator("engines", mode="before")
     @classmethod
