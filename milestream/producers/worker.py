@@ -386,10 +386,12 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
     engine server, milestream's router, or SGLang servers behind it; weight versions reach them as
     disk files this worker stages under the run folder."""
     if cfg.rollout.engine_url:
-        from milestream.engines.http_engine import HttpEngine
+        from milestream.engines.http_engine import ROUTER_REPLY_MARGIN_S, HttpEngine
 
+        # past the router's own timeout, so the router's answer (which names the engine that failed) comes first
         return HttpEngine(cfg.rollout.engine_url, weights_dir=cfg.run_path / "engine-weights" / worker_id,
-                          key_header=cfg.router.key_header, model=cfg.model)
+                          key_header=cfg.router.key_header, model=cfg.model,
+                          timeout_s=cfg.router.request_timeout_s + ROUTER_REPLY_MARGIN_S)
     seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
     return CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
 
