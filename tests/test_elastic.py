@@ -14,11 +14,12 @@ from pathlib import Path
 
 from chaos import sigkill
 from holds import Holds
-from stage_runs import print_logs_unless_done, start_run, wait_for
+from stage_runs import print_logs_unless_done, running, start_run, wait_for
 
 from milestream.infra.kafka import RecordConsumer
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.schemas import topics
+from milestream.streams.ledger import BufferLedger, Reconciled
 
 
 class Samples:
@@ -60,27 +61,28 @@ def test_rollout_scales_from_one_worker_to_three_and_back_with_one_killed_mid_gr
     cfg = cfg.with_overrides(data={"size": 40, "epochs": 1}, buffer={"capacity_factor": 25, "max_staleness": 100},
                              trainer={"steps": 4}, run={"max_wall_s": 900})
     assert cfg.buffer_capacity >= cfg.data.size
+    BufferLedger(cfg).reconcile(Reconciled(credit=cfg.buffer_capacity, queue={}, prompts_admitted=0))  # the new size
     run_dir = Path(cfg.run.run_dir)
     runner, outcome = start_run(cfg)
     samples = Samples(cfg)
     extra: dict[str, subprocess.Popen] = {}
     try:
-        engine_0 = holds.wait_held("engine.stepped", 300)
+        engine_0 = holds.wait_held("engine.stepped", 300, running(runner, "worker-0's engine to hold"))
         extra = {name: start_worker(run_dir / "config.yaml", name, tmp_path / f"{name}.log")
                  for name in ("worker-1", "worker-2")}
         wait_for(lambda: samples.workers() >= set(extra), 300, "the new workers' samples", runner)
-        trainer = holds.wait_held("trainer.collected", 300)
+        trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer to hold"))
 
         holds.arm("worker.sample_published")  # whichever worker passes first holds, mid-group, and is killed
         holds.release("engine.stepped", engine_0)  # worker-0 has groups in flight: one worker will pass
-        killed_pid = holds.wait_held("worker.sample_published", 300)
+        killed_pid = holds.wait_held("worker.sample_published", 300, running(runner, "a worker to hold"))
         killed = worker_of(killed_pid, extra)
         half_done = samples.last_of(killed)
         assert sigkill(killed_pid)
         holds.release("worker.sample_published", killed_pid)
-        # another worker (or worker-0's next life) admits the prompt again and completes the group
-        wait_for(lambda: {t.worker_id for t in samples.read().groups[half_done]} - {killed} and
-                 {t.sample_index for t in samples.groups[half_done]} == set(range(cfg.rollout.group_size)),
+        # the killed worker published part of it; another worker (or worker-0's next life, under the same
+        # id) admits the prompt again, with the credit it holds, and completes the group
+        wait_for(lambda: {t.sample_index for t in samples.read().groups[half_done]} == set(range(cfg.rollout.group_size)),
                  300, f"group {half_done} redone", runner)
 
         for name, proc in extra.items():  # scale in to worker-0 alone: a graceful stop of those still up
@@ -89,6 +91,7 @@ def test_rollout_scales_from_one_worker_to_three_and_back_with_one_killed_mid_gr
                 assert proc.wait(timeout=120) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         holds.release("trainer.collected", trainer)
         runner.join(900)
+        workers = samples.workers()
     finally:
         holds.release_all()
         for proc in extra.values():
@@ -101,4 +104,4 @@ def test_rollout_scales_from_one_worker_to_three_and_back_with_one_killed_mid_gr
     assert audit.exact, audit
     lineage = archived_lineage(run_dir)
     assert half_done in lineage.emitted or half_done in lineage.drops  # the killed worker's group was not lost
-    assert samples.workers() >= {"worker-0", "worker-1", "worker-2"}
+    assert workers == {"worker-0", "worker-1", "worker-2"}

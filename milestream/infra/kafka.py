@@ -143,20 +143,24 @@ class RecordConsumer(Generic[R]):
         self.consumer = Consumer(client_config(cfg, **settings))
         self.topic, self.group_id = topic_name(cfg, spec), group_id
         self.subscribed = False
+        self.owned: set[int] = set()  # a subscribed member's partitions, as its rebalance callbacks tell
 
     def subscribe(self) -> "RecordConsumer[R]":
         """Share the topic's partitions with the other members of the group (they rebalance as members come
         and go). Which member holds which partitions is the first question about a group that stalls, so
         each assignment and revocation is logged; confluent-kafka still assigns after the callbacks."""
-        self.consumer.subscribe([self.topic], on_assign=self._log_partitions("assigned"),
-                                on_revoke=self._log_partitions("revoked"))
+        self.consumer.subscribe([self.topic], on_assign=self._rebalanced("assigned"),
+                                on_revoke=self._rebalanced("revoked"), on_lost=self._rebalanced("lost"))
         self.subscribed = True
         return self
 
-    def _log_partitions(self, event: str) -> Callable[[Consumer, list[TopicPartition]], None]:
+    def _rebalanced(self, event: str) -> Callable[[Consumer, list[TopicPartition]], None]:
+        """Keeps ``owned`` (asking librdkafka for the assignment from another thread can block for as long as
+        a rebalance lasts) and logs the change."""
         def callback(_consumer: Consumer, partitions: list[TopicPartition]) -> None:
-            log.info("consumer group %s %s %s partitions %s", self.group_id, event, self.topic,
-                     sorted(p.partition for p in partitions))
+            changed = {p.partition for p in partitions}
+            self.owned = self.owned | changed if event == "assigned" else self.owned - changed
+            log.info("consumer group %s %s %s partitions %s", self.group_id, event, self.topic, sorted(changed))
         return callback
 
     def assign(self, offsets: dict[int, int] | None = None, partitions: Iterable[int] = ()) -> "RecordConsumer[R]":
@@ -189,13 +193,14 @@ class RecordConsumer(Generic[R]):
     def keep_place(self, seconds: float) -> None:
         """Serve the group for ``seconds`` (its rebalances, its heartbeats) without taking a record: a member
         busy elsewhere keeps its place, and a worker joining or leaving never waits for it."""
-        self.consumer.pause(self.consumer.assignment())
+        paused = [TopicPartition(self.topic, p) for p in self.owned]
+        self.consumer.pause(paused)
         try:
             msg = self.consumer.poll(seconds)
             if msg is not None and msg.error() is None:  # from a partition assigned during the poll: put it back
                 self.consumer.seek(TopicPartition(msg.topic(), msg.partition(), msg.offset()))
         finally:
-            self.consumer.resume(self.consumer.assignment())
+            self.consumer.resume([TopicPartition(self.topic, p) for p in self.owned])
 
     def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Delivery[R]]:
         """Everything until the topic stays quiet for ``idle_s`` (tansu's end offsets are unreliable)."""
@@ -208,18 +213,19 @@ class RecordConsumer(Generic[R]):
             out.append(delivery)
         return out
 
-    def commit(self, offsets: dict[int, int]) -> bool:
+    def commit(self, offsets: dict[int, int], wait: bool = True) -> bool:
         """Commit next offsets (partition -> offset). A subscribed member commits only the partitions it owns
         now: a revoked partition is its new owner's to commit. False when the broker refused (a rebalance
-        under way); the caller's next commit carries the same offsets."""
+        under way); the caller's next commit carries the same offsets. ``wait=False`` sends the commit and
+        returns: during a rebalance the broker may hold a waiting commit for many seconds."""
         if self.subscribed:
-            owned = {tp.partition for tp in self.consumer.assignment()}
+            owned = self.owned
             offsets = {p: o for p, o in offsets.items() if p in owned}
         if not offsets:
             return True
         try:
             self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()],
-                                 asynchronous=False)
+                                 asynchronous=not wait)
         except KafkaException as exc:
             log.warning("%s: commit of %s refused (%s); the next commit carries it", self.topic, offsets, exc)
             return False

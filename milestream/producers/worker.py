@@ -91,23 +91,35 @@ class NoHook:
 
 
 class PromptReader:
-    """The worker's place in the prompts consumer group, kept by a thread that polls all the time, so a
-    rebalance (a worker joining or leaving) never waits for a worker busy generating or out of credit.
-    It reads at most one prompt ahead of admission."""
+    """The worker's place in the prompts consumer group, kept by one thread that alone uses the consumer and
+    polls all the time, so a rebalance (a worker joining or leaving) never waits for a worker busy
+    generating or out of credit, and the event loop never waits on the broker. It reads at most one prompt
+    ahead of admission, and sends the offsets the worker hands it between two polls."""
 
     def __init__(self, consumer: RecordConsumer) -> None:
         self.consumer = consumer
         self.ready: queue.Queue[Delivery] = queue.Queue(maxsize=1)
         self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._to_commit: dict[int, int] = {}
         self.thread = threading.Thread(target=self._read, name="prompt-reader", daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
         while not self.stopped.is_set():
+            self._send_commit()
             if self.ready.full():
                 self.consumer.keep_place(0.2)
             elif (delivery := self.consumer.poll(0.2)) is not None:
                 self.ready.put(delivery)
+
+    def _send_commit(self) -> None:
+        """Sent, not waited for: one that never lands costs a redo of prompts whose groups are complete,
+        which admission passes over."""
+        with self._lock:
+            offsets, self._to_commit = self._to_commit, {}
+        if offsets:
+            self.consumer.commit(offsets, wait=False)
 
     async def next(self) -> Delivery:
         while True:
@@ -117,11 +129,13 @@ class PromptReader:
                 await asyncio.sleep(0.05)
 
     def commit(self, offsets: dict[int, int]) -> None:
-        self.consumer.commit(offsets)
+        with self._lock:
+            self._to_commit = dict(offsets)
 
     def close(self) -> None:
         self.stopped.set()
         self.thread.join()
+        self._send_commit()
         self.consumer.close()
 
 
@@ -179,11 +193,14 @@ class RolloutWorker:
         await stop.wait()
         admit.cancel()
         if self.tasks and not self.gave_up:  # scaled in: the groups in flight may finish, the rest is aborted
+            log.info("worker %s stopping: %d groups in flight get %.0f s to finish", self.worker_id, len(self.tasks),
+                     self.cfg.rollout.stop_grace_s)
             await asyncio.wait(set(self.tasks), timeout=self.cfg.rollout.stop_grace_s)
         running = list(self.tasks)
         for task in [*background, *running]:
             task.cancel()
         await asyncio.gather(admit, *background, *running, return_exceptions=True)
+        log.info("worker %s stopped: %d groups aborted", self.worker_id, len(running))
         self.producer.flush()
         self.prompts.close()
         self.versions.close()

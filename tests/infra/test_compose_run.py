@@ -118,10 +118,11 @@ class Deployment:
             if name not in JOBS and name not in finished and proc.poll() is not None:
                 raise AssertionError(f"service {name} exited with {proc.returncode}")
 
-    def wait_for(self, condition: Callable[[], bool], what: str, timeout_s: float) -> None:
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout_s: float,
+                 finished: tuple[str, ...] = ()) -> None:
         deadline = time.monotonic() + timeout_s
         while not condition():
-            self.check_alive()
+            self.check_alive(finished)
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
             time.sleep(0.2)
@@ -198,7 +199,7 @@ def test_the_compose_services_train_with_every_rollout_worker(live_services, tmp
         trainer = cluster.procs["trainer"]
         cluster.wait_for(lambda: trainer.poll() is not None, f"the trainer's {STEPS} steps", 300)
         assert trainer.returncode == 0
-        cluster.wait_for(cluster.settled, "the metrics service to show the run settled", 120)
+        cluster.wait_for(cluster.settled, "the metrics service to show the run settled", 120, finished=("trainer",))
         samples = scrape(cluster.metrics_port)
         assert samples[("milestream_verifier_weights_mismatched", frozenset())] == 0
         # as `docker compose stop` stops them: every service finishes on SIGTERM, none needs the SIGKILL
