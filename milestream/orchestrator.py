@@ -11,9 +11,10 @@
 Supervision: a stage that dies (a crash, an OOM kill, a SIGKILL) is started again, up to
 ``run.max_restarts`` times each; the log is what makes that safe (the processor rebuilds its partial
 groups, the trainer resumes from its checkpoint, rollout re-reads uncommitted prompts). A rollout worker
-that stops itself because failures persist (exit code 3) stops the run, with its last error. If the
-embedded broker dies, every stage stops, a new broker comes up on the same port, the archive is
-republished into it, and the stages start again.
+that stops itself because failures persist (exit code 3) stops the run, with its last error. If an
+embedded service dies, every stage stops and a new one comes up on the same port: a new broker gets the
+archive republished into it; a new Redis gets the buffer ledger rebuilt from the log (the live broker's
+topics, or the archive when the broker was lost too; log/accounting.py); then the stages start again.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from milestream.config import Config
 from milestream.evaluate.evaluation import finish_evaluation
 from milestream.infra.kafka import Admin
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
+from milestream.log.accounting import rebuild_from_broker
 from milestream.log.lineage import Lineage
 from milestream.observe.feed import TopicFeed
 from milestream.producers.worker import EXIT_GAVE_UP
@@ -98,8 +100,8 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
     return children + [trainer], trainer
 
 
-class BrokerLost(RuntimeError):
-    """The embedded broker died under the run."""
+class ServiceLost(RuntimeError):
+    """An embedded service (the broker, Redis) died under the run."""
 
 
 class Monitor:
@@ -128,9 +130,10 @@ class Monitor:
 
 
 def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child) -> None:
-    """Start again each stage that died; raise when one died too often, or BrokerLost."""
-    if live.broker_lost():
-        raise BrokerLost(f"the embedded broker exited with {live.broker.proc.returncode}")
+    """Start again each stage that died; raise when one died too often, or ServiceLost. A service is
+    looked at first: the stages it took down with it are not restarts to count."""
+    if lost := live.lost():
+        raise ServiceLost(" and ".join(f"the embedded {s.name} exited with {s.proc.returncode}" for s in lost))
     for child in children:
         code = child.proc.poll()
         if code is None or (child is trainer and code == 0):
@@ -192,12 +195,26 @@ def evaluate_run_end(cfg: Config, printed_evals: set[tuple[str, int, float]]) ->
     return results
 
 
-def resume_from_archive(cfg: Config, run_dir: Path) -> None:
-    """A fresh embedded broker holds nothing: put the archived run back, at the same offsets."""
+def resume_from_archive(cfg: Config, run_dir: Path, fresh_ledger: bool) -> None:
+    """A fresh embedded broker holds nothing: put the archived run back, at the same offsets
+    (``fresh_ledger``: the Redis holds nothing of the run either)."""
     from milestream.log.restore import resume
 
-    report, accounting = resume(cfg, run_dir)
+    report, accounting = resume(cfg, run_dir, fresh_ledger=fresh_ledger)
     print(f"resumed from the archive in {run_dir / 'archive'}: {report} {accounting}", flush=True)
+
+
+def recover(live: Services, run_dir: Path) -> None:
+    """With every stage stopped: start again each embedded service that died, and put back what it held."""
+    redis_lost = live.redis_lost()
+    if redis_lost:
+        live.restart_redis()
+    if live.broker_lost():
+        live.restart_broker()
+        resume_from_archive(live.cfg, run_dir, fresh_ledger=redis_lost)
+    elif redis_lost:
+        accounting = rebuild_from_broker(live.cfg, run_dir)
+        print(f"rebuilt the buffer ledger on a new Redis from the broker's topics: {accounting}", flush=True)
 
 
 def run_loop(cfg: Config) -> dict:
@@ -212,7 +229,8 @@ def run_loop(cfg: Config) -> dict:
         config_path = run_dir / "config.yaml"
         config_path.write_text(live.cfg.to_yaml())
         if cfg.run.archive and not cfg.broker.bootstrap_servers and (run_dir / "archive" / "manifest.json").exists():
-            resume_from_archive(live.cfg, run_dir)
+            # an embedded Redis started with this process: it holds nothing of the run
+            resume_from_archive(live.cfg, run_dir, fresh_ledger=live.redis is not None)
         while True:
             children, trainer = start_stages(live.cfg, config_path, log_dir)
             monitor = Monitor(live.cfg, printed, printed_evals, started)
@@ -221,15 +239,14 @@ def run_loop(cfg: Config) -> dict:
                 stop_stages(children, trainer, keep="archiver")  # the archiver keeps the last evaluation too
                 evals = evaluate_run_end(live.cfg, printed_evals)
                 break
-            except BrokerLost as lost:
-                if not cfg.run.archive:
+            except ServiceLost as lost:
+                if live.broker_lost() and not cfg.run.archive:
                     raise RuntimeError(f"{lost}, and run.archive is off: nothing to resume from") from None
-                print(f"{lost}: stopping the stages, resuming from the archive on a new broker", flush=True)
+                print(f"{lost}: stopping the stages, starting it again and putting back what it held", flush=True)
             finally:
                 monitor.close()
                 stop_stages(children, trainer)
-            live.restart_broker()
-            resume_from_archive(live.cfg, run_dir)
+            recover(live, run_dir)
         buffer = BufferLedger(live.cfg).balance()
         summary = write_report(run_dir, monitor.lineage, time.monotonic() - started, stopped_by=stopped_by,
                                evals=evals, eval_name=cfg.eval.name, buffer=buffer)

@@ -1,9 +1,10 @@
 """``milestream run`` under crashes: the stream processor SIGKILLed at several points while the whole
 loop runs, then the embedded broker SIGKILLed (not a planned stop: the archive may miss its last
 records); in another run the trainer SIGKILLed ten times, each time held at a named point of a step
-(milestream/infra/faults.py). The run supervises them all, finishes its steps, and its log shows
-every group that entered trained or dropped exactly once (after de-duplication by group id), or
-still waiting in the buffer. Holds, not timing, keep each run going until its last crash.
+(milestream/infra/faults.py); in a third the embedded Redis SIGKILLed, its buffer ledger rebuilt from
+the log. The run supervises them all, finishes its steps, and its log shows every group that entered
+trained or dropped exactly once (after de-duplication by group id), or still waiting in the buffer.
+Holds, not timing, keep each run going until its last crash.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import redis
+
 from milestream.config import load_config
-from chaos import pids, sigkill, stage_pids
+from chaos import broker_pids, redis_pids, sigkill, stage_pids
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 from holds import Holds
 from milestream.train import checkpoint
@@ -71,8 +74,7 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypa
         trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer held at step 4"))
         assert checkpoint.latest_step(run_dir) >= 3
         emitted_so_far.reader.close()
-        port = live.broker.bootstrap_servers.rsplit(":", 1)[1]
-        sigkill(pids("broker", f"tcp://127.0.0.1:{port}")[0])
+        sigkill(broker_pids(live)[0])
         holds.release("trainer.collected", trainer)  # it meets the lost broker, as a running step would
         runner.join(600)
     finally:
@@ -139,4 +141,41 @@ def test_trainer_killed_at_every_point_of_a_step_loses_no_group_and_trains_none_
     assert json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)["exact"]
     assert audit.steps == cfg.trainer.steps and not audit.missing_steps
     assert audit.groups_lost == [] and audit.groups_duplicated == []
+    assert audit.groups_trained == cfg.trainer.steps * cfg.trainer.batch_groups
+
+
+def test_redis_killed_mid_run_comes_back_with_the_ledger_rebuilt_from_the_log(cfg, tmp_path, monkeypatch, capsys):
+    """The embedded Redis SIGKILLed while the trainer holds step 2's batch (step 1 published and
+    checkpointed; the batch's groups already left the queue in Redis, though the checkpoint has not
+    seen them): the run stops its stages, starts an empty Redis, rebuilds the ledger from the broker's
+    topics, rollout's committed offsets and the trainer's checkpoint, and finishes with its credit balanced."""
+    cfg = cfg.with_overrides(redis={"url": None},  # its own embedded Redis, to kill
+                             trainer={"steps": 6, "checkpoint_every": 1}, run={"max_wall_s": 400})
+    run_dir = Path(cfg.run.run_dir)
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("trainer.collected", at_pass=2)
+    runner, outcome = start_run(cfg)
+    try:
+        trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer held at step 2"))
+        live = load_config(run_dir / "config.yaml")
+        server = redis.Redis.from_url(live.redis.url)
+        # no snapshot, no append-only file, nothing in its folder: what comes back comes from the log
+        assert server.config_get("save") == {"save": ""} and server.config_get("appendonly") == {"appendonly": "no"}
+        assert not list(Path(server.config_get("dir")["dir"]).iterdir())
+        sigkill(redis_pids(live)[0])
+        holds.release("trainer.collected", trainer)
+        runner.join(600)
+    finally:
+        print_logs_unless_done(run_dir, outcome)
+    assert "error" not in outcome, outcome.get("error")
+    summary = outcome["summary"]
+    assert summary["steps"] == cfg.trainer.steps
+    assert summary["buffer"]["unaccounted"] == 0, summary["buffer"]
+    assert "rebuilt the buffer ledger on a new Redis" in capsys.readouterr().out
+    for stage in ("loader", "processor", "rollout-0", "trainer"):  # every stage started again on the new Redis
+        assert (run_dir / "logs" / f"{stage}.log").read_text().count("==== life") >= 2, stage
+
+    audit = audit_run(run_dir)
+    print(audit)
+    assert audit.exact and audit.steps == cfg.trainer.steps
     assert audit.groups_trained == cfg.trainer.steps * cfg.trainer.batch_groups

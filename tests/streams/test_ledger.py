@@ -127,3 +127,15 @@ def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups
     assert ledger.settlement("redo#0") is None and ledger.settlement("early#0") == SENDING
     assert ledger.leave("early#0")  # its early take was forgotten: the resumed trainer takes it again
     assert ledger.leave("q#0") and ledger.available() == 4
+
+
+def test_rebuild_writes_every_key_of_a_fresh_ledger(cfg):
+    ledger = BufferLedger(cfg)
+    assert ledger.capacity == 4
+    ledger.rebuild(Reconciled(credit=2, queue={"q#0": 1}, prompts_admitted=3, admitted=("f#0",)), settled=["q#0", "gone#0"],
+                   totals={"groups_out": 1, "dropped_filtered": 1}, prompts_published=5)
+    assert ledger.available() == 2 and ledger.queued_versions() == [1] and ledger.prompts_admitted() == 3
+    assert ledger.prompts_published() == 5 and ledger.run_totals() == {"groups_out": 1, "dropped_filtered": 1}
+    assert ledger.settlement("gone#0") == SETTLED and not ledger.settle("gone#0", "filtered")  # a re-read: nothing
+    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("gone#0", "w") == "complete"
+    assert ledger.balance()["unaccounted"] == 0  # 2 available + 1 queued + 1 in flight = 4
