@@ -114,6 +114,12 @@ async def _sessions_on_every_engine(http: aiohttp.ClientSession, fleet: Fleet, p
     return keys
 
 
+async def _sessions_on_a_fleet_all_up(http: aiohttp.ClientSession, fleet: Fleet, per_engine: int) -> dict:
+    """Once the router reports every engine up: ``per_engine`` sessions opened on each."""
+    for index in range(len(fleet.urls)):
+        await _state_is(http, fleet, index, "up")
+    return await _sessions_on_every_engine(http, fleet, per_engine=per_engine)
+
 def test_a_killed_engine_fails_its_requests_fast_loses_its_sessions_and_rejoins_caught_up(
         fleet: Fleet, tmp_path: Path) -> None:
     model = load_model(ModelConfig(name="tiny-random", dtype="float32", lora_rank=0), dtype=torch.float32)
@@ -122,9 +128,7 @@ def test_a_killed_engine_fails_its_requests_fast_loses_its_sessions_and_rejoins_
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as http:
-            for index in range(3):
-                await _state_is(http, fleet, index, "up")
-            keys = await _sessions_on_every_engine(http, fleet, per_engine=2)
+            keys = await _sessions_on_a_fleet_all_up(http, fleet, per_engine=2)
             in_flight, pinned = keys["e-1"]
 
             # a turn of e-1's session held at e-1 (paused through its own URL), then e-1 is killed
@@ -188,9 +192,7 @@ def test_an_engine_that_stops_answering_times_out_and_rejoins(fleet: Fleet) -> N
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as http:
-            for index in range(3):
-                await _state_is(http, fleet, index, "up")
-            keys = await _sessions_on_every_engine(http, fleet, per_engine=1)
+            keys = await _sessions_on_a_fleet_all_up(http, fleet, per_engine=1)
             downs_before = (await _upstreams(http, fleet))[2]["downs"]
             os.kill(silent.pid, signal.SIGSTOP)
             try:
