@@ -213,6 +213,19 @@ class RecordConsumer(Generic[R]):
             out.append(delivery)
         return out
 
+    def drain_to_end(self, partition: int, max_wait_s: float = 60.0) -> list[Delivery[R]]:
+        """Everything one assigned partition holds now: read up to the end offset the broker reports at the
+        call. A reader that has not fetched yet would look like an empty topic to ``drain``."""
+        end, out = end_offset(self, partition), []
+        deadline = time.monotonic() + max_wait_s
+        while end > 0 and time.monotonic() < deadline:
+            (position,) = self.consumer.position([TopicPartition(self.topic, partition)])
+            if position.offset >= end:
+                break
+            if (delivery := self.poll(0.5)) is not None:
+                out.append(delivery)
+        return out
+
     def commit(self, offsets: dict[int, int], wait: bool = True) -> bool:
         """Commit next offsets (partition -> offset). A subscribed member commits only the partitions it owns
         now: a revoked partition is its new owner's to commit. False when the broker refused (a rebalance

@@ -18,6 +18,7 @@ publishes what is left as ``aborted``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import signal
@@ -337,9 +338,14 @@ class RolloutWorker:
         nothing is admitted before the first pass, nor before the noise check's first version."""
         receiver = await asyncio.to_thread(weights.make_receiver, self.cfg, self.worker_id)
         noise = await self._fill_noise() if self.cfg.weights.noise_check else None
+        first_pass = True
         try:
             while not stop.is_set():
-                deliveries = await asyncio.to_thread(self.versions.drain, 0.5, 5.0)
+                # the first pass reads every version announced so far, however slow the reader is to start
+                read = functools.partial(self.versions.drain_to_end, 0) if first_pass else \
+                    functools.partial(self.versions.drain, 0.5, 5.0)
+                deliveries = await asyncio.to_thread(read)
+                first_pass = False
                 newer = sorted((r for d in deliveries for r in d.records
                                 if r.version > self.engine.version or (noise and noise.pending)),
                                key=lambda r: r.version)
