@@ -129,14 +129,15 @@ class Monitor:
         self.feed.close()
 
 
-def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child) -> None:
-    """Start again each stage that died; raise when one died too often, or ServiceLost. A service is
-    looked at first: the stages it took down with it are not restarts to count."""
+def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child, stopping: bool = False) -> None:
+    """Start again each stage that died (the trainer not once it is ``stopping``); raise when one died too
+    often, or ServiceLost. A service is looked at first: the stages it took down with it are not restarts to
+    count."""
     if lost := live.lost():
         raise ServiceLost(" and ".join(f"the embedded {s.name} exited with {s.proc.returncode}" for s in lost))
     for child in children:
         code = child.proc.poll()
-        if code is None or (child is trainer and code == 0):
+        if code is None or (child is trainer and (code == 0 or stopping)):
             continue
         if code == EXIT_GAVE_UP:
             raise RuntimeError(f"stage {child.name} stopped the run:\n{child.tail(8)}")
@@ -152,7 +153,8 @@ def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, m
     stopped_by = "steps"
     while (code := trainer.proc.poll()) != 0 and not (code is not None and stopped_by == "wall_budget"):
         monitor.poll()
-        supervise(cfg, live, children, trainer)
+        # told to stop at the wall budget, a trainer that dies is not started again: the run is over
+        supervise(cfg, live, children, trainer, stopping=stopped_by == "wall_budget")
         if stopped_by == "steps" and time.monotonic() - monitor.started > cfg.run.max_wall_s:
             print(f"run.max_wall_s ({cfg.run.max_wall_s:.0f}s) reached: the trainer finishes its step and stops", flush=True)
             trainer.proc.terminate()
