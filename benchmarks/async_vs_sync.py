@@ -45,7 +45,7 @@ from milestream.train.collector import PooledGroup
 from milestream.infra.services import EmbeddedRedis
 from milestream.schemas.codec import Position
 from milestream.streams.groups import oldest_version, staleness
-from milestream.streams.ledger import EMITTED, BufferLedger
+from milestream.streams.ledger import ADMITTED, EMITTED, BufferLedger
 
 
 @dataclass(frozen=True)
@@ -238,9 +238,10 @@ class AsyncRun:
     def _admit(self) -> None:
         while self.pool.free_slots():
             if not self.admitting:
-                if not self.ledger.try_take():
+                group_id = f"async-{next(self.ids)}"
+                if self.ledger.admit(group_id, "simulation") != ADMITTED:
                     return
-                self.admitting.append(Group(f"async-{next(self.ids)}", self.cfg.rollout.group_size))
+                self.admitting.append(Group(group_id, self.cfg.rollout.group_size))
                 self.in_flight += 1
             group = self.admitting[0]
             self.pool.place(group, self.version)

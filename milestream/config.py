@@ -178,6 +178,13 @@ class RolloutConfig(Section):
     agent_fn: str | None = None  # a multi-turn episode loop (with generate_fn ...:agent_episode; sessions.match)
     max_turns: int = 4  # assistant turns per episode (agents read it)
     max_context_tokens: int = 1024  # an episode ends (truncated) before a turn would pass this
+    # a failed sample is published as an error and its group dropped; this many failed groups within
+    # error_window_s stop the worker (exit code 3), and `milestream run` with it, naming the last error
+    max_errors: int = 20
+    error_window_s: float = 60.0
+    # a worker told to stop (SIGTERM: scaled in) lets its groups finish this long, then records the
+    # unfinished samples as aborted (their groups are dropped, or retried per buffer.unused)
+    stop_grace_s: float = 10.0
 
 
 class SandboxConfig(Section):
@@ -196,8 +203,8 @@ class BufferConfig(Section):
     selector: str = "milestream.train.collector:fifo"
     # what happens to the prompt of a group that went unused: drop it, or retry (back on prompts)
     unused: Literal["drop", "retry"] = "drop"
-    retry_reasons: tuple[Literal["stale", "aborted", "incomplete", "filtered", "reward_error"], ...] = (
-        "stale", "aborted", "incomplete")
+    retry_reasons: tuple[Literal["stale", "aborted", "incomplete", "filtered", "reward_error", "error"], ...] = (
+        "stale", "aborted", "incomplete", "error")
     max_retries: int = 1
     metrics_interval_s: float = 2.0
     # a group still missing records this long after its first one is dropped (reason "incomplete")
@@ -312,7 +319,10 @@ class RouterConfig(Section):
     port: int = 30000
     key_header: str = "X-SMG-Routing-Key"  # the session's routing key; sglang-router's manual policy reads it too
     max_sessions: int = 65536  # routing keys remembered; beyond it the least recently used is forgotten
-    request_timeout_s: float = 600.0
+    # an upstream with no reply within it (to a request or a health probe) is marked down and the request
+    # answered 502; so it bounds a generation too: keep it above the longest one, pauses included
+    request_timeout_s: float = Field(600.0, gt=0)
+    health_interval_s: float = Field(2.0, gt=0)  # GET /health of every upstream this often: down ones rejoin
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -10,10 +10,11 @@
 
 Supervision: a stage that dies (a crash, an OOM kill, a SIGKILL) is started again, up to
 ``run.max_restarts`` times each; the log is what makes that safe (the processor rebuilds its partial
-groups, the trainer resumes from its checkpoint, rollout re-reads uncommitted prompts). If an embedded
-service dies, every stage stops and a new one comes up on the same port: a new broker gets the archive
-republished into it; a new Redis gets the buffer ledger rebuilt from the log (the live broker's topics,
-or the archive when the broker was lost too; log/accounting.py); then the stages start again.
+groups, the trainer resumes from its checkpoint, rollout re-reads uncommitted prompts). A rollout worker
+that stops itself because failures persist (exit code 3) stops the run, with its last error. If an
+embedded service dies, every stage stops and a new one comes up on the same port: a new broker gets the
+archive republished into it; a new Redis gets the buffer ledger rebuilt from the log (the live broker's
+topics, or the archive when the broker was lost too; log/accounting.py); then the stages start again.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from milestream.infra.services import Services, die_with_parent, embedded, free_
 from milestream.log.accounting import rebuild_from_broker
 from milestream.log.lineage import Lineage
 from milestream.observe.feed import TopicFeed
+from milestream.producers.worker import EXIT_GAVE_UP
 from milestream.observe.report import write_report
 from milestream.producers.inputs import check_inputs
 from milestream.schemas import topics
@@ -127,15 +129,18 @@ class Monitor:
         self.feed.close()
 
 
-def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child) -> None:
-    """Start again each stage that died; raise when one died too often, or ServiceLost. A service is
-    looked at first: the stages it took down with it are not restarts to count."""
+def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child, stopping: bool = False) -> None:
+    """Start again each stage that died (the trainer not once it is ``stopping``); raise when one died too
+    often, or ServiceLost. A service is looked at first: the stages it took down with it are not restarts to
+    count."""
     if lost := live.lost():
         raise ServiceLost(" and ".join(f"the embedded {s.name} exited with {s.proc.returncode}" for s in lost))
     for child in children:
         code = child.proc.poll()
-        if code is None or (child is trainer and code == 0):
+        if code is None or (child is trainer and (code == 0 or stopping)):
             continue
+        if code == EXIT_GAVE_UP:
+            raise RuntimeError(f"stage {child.name} stopped the run:\n{child.tail(8)}")
         if child.lives > cfg.run.max_restarts:
             raise RuntimeError(f"stage {child.name} exited with {code}, {child.lives} lives, more than "
                                f"run.max_restarts ({cfg.run.max_restarts}):\n{child.tail()}")
@@ -148,7 +153,8 @@ def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, m
     stopped_by = "steps"
     while (code := trainer.proc.poll()) != 0 and not (code is not None and stopped_by == "wall_budget"):
         monitor.poll()
-        supervise(cfg, live, children, trainer)
+        # told to stop at the wall budget, a trainer that dies is not started again: the run is over
+        supervise(cfg, live, children, trainer, stopping=stopped_by == "wall_budget")
         if stopped_by == "steps" and time.monotonic() - monitor.started > cfg.run.max_wall_s:
             print(f"run.max_wall_s ({cfg.run.max_wall_s:.0f}s) reached: the trainer finishes its step and stops", flush=True)
             trainer.proc.terminate()

@@ -3,7 +3,7 @@ there (its state cannot move while it does), act, then release it or kill it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from milestream.infra.faults import HOLD_DIR
@@ -27,16 +27,33 @@ class Holds:
         staging.write_text(str(at_pass))
         staging.rename(self.directory / point)  # whole or not at all: a stage never reads half of it
 
-    def wait_held(self, point: str, timeout_s: float, check: Callable[[], None] = lambda: None) -> int:
-        """The pid holding at ``point``, once one does; ``check`` raises if waiting is pointless."""
+    def wait_held(self, point: str, timeout_s: float, check: Callable[[], None] = lambda: None,
+                  besides: Collection[int] = ()) -> int:
+        """The pid holding at ``point`` (other than those ``besides``, still held there), once one does;
+        ``check`` raises if waiting is pointless."""
         deadline = time.monotonic() + timeout_s
-        while not (held := list(self.directory.glob(f"{point}.held.*"))):
+        while not (held := [pid for pid in self.holders(point) if pid not in besides]):
             check()
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for a stage to hold at {point}")
             time.sleep(0.1)
-        return int(held[0].name.rsplit(".", 1)[1])
+        return held[0]
+
+    def holders(self, point: str) -> list[int]:
+        return [int(path.name.rsplit(".", 1)[1]) for path in self.directory.glob(f"{point}.held.*")]
 
     def release(self, point: str, pid: int) -> None:
         """Let the holder go on; also forgets the hold of a process that was killed there."""
         (self.directory / f"{point}.held.{pid}").unlink(missing_ok=True)
+
+    def fail(self, point: str) -> None:
+        """Every process that passes ``point`` raises there until ``recover``."""
+        (self.directory / f"{point}.fail").touch()
+
+    def recover(self, point: str) -> None:
+        (self.directory / f"{point}.fail").unlink(missing_ok=True)
+
+    def release_all(self) -> None:
+        """Disarm, release and recover everything: a failed test leaves no stage held behind it."""
+        for path in self.directory.iterdir():
+            path.unlink(missing_ok=True)

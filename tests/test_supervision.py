@@ -12,7 +12,6 @@ import collections
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,32 +19,15 @@ import redis
 
 from milestream.config import load_config
 from chaos import broker_pids, redis_pids, sigkill, stage_pids
+from stage_runs import print_logs_unless_done, running, start_run, wait_for
 from holds import Holds
 from milestream.train import checkpoint
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import read_archive
 from milestream.infra.kafka import RecordConsumer
-from milestream.orchestrator import run_loop
 from milestream.schemas import topics
 
 PROCESSOR_KILLS_AT_GROUPS = (2, 5, 8)  # SIGKILL the processor once this many groups have been emitted
-
-
-def running(runner: threading.Thread, what: str):
-    """A check for waits: raises once the run has ended, as what it waits for will then never come."""
-    def check() -> None:
-        if not runner.is_alive():
-            raise AssertionError(f"the run ended while waiting for {what}")
-    return check
-
-
-def wait_for(condition, timeout_s: float, what: str, runner: threading.Thread) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        running(runner, what)()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.3)
 
 
 class EmittedGroups:
@@ -63,26 +45,6 @@ class EmittedGroups:
 
 def archived(run_dir: Path, spec) -> list:
     return [record for m in read_archive(run_dir, spec) for record in m.records]
-
-
-def start_run(cfg) -> tuple[threading.Thread, dict]:
-    """``run_loop`` in a thread; the outcome dict gets its summary, or the error it raised."""
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["summary"] = run_loop(cfg)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-            outcome["error"] = exc
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
-    return runner, outcome
-
-
-def print_logs_unless_done(run_dir: Path, outcome: dict) -> None:
-    for log in sorted((run_dir / "logs").glob("*.log")) if "summary" not in outcome else ():
-        print(f"==== {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
 
 
 def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypatch):

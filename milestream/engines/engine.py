@@ -286,6 +286,7 @@ class CpuEngine:
         return self._batch is None and not self._pending
 
     def _step(self, admitted: list[_Row]) -> None:
+        faults.fail("engine.step")
         batch = self._batch
         if batch is not None:
             self._keep(batch, [not row.future.cancelled() for row in batch.rows])

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 # sglang-router's `manual` policy reads the same header, so one client serves both routers
@@ -27,10 +29,24 @@ class BadRequest(ValueError):
         self.field = field
 
 
-def error_response(status: int, message: str) -> web.Response:
-    """SGLang's error body (``ErrorResponse``), so SGLang clients read our errors unchanged."""
-    body = {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status}
+def error_response(status: int, message: str, **fields: Any) -> web.Response:
+    """SGLang's error body (``ErrorResponse``), so SGLang clients read our errors unchanged; ``fields``
+    are added to it (the router names the engine and session a failure concerns)."""
+    body = {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status, **fields}
     return web.json_response(body, status=status)
+
+
+def transport_failure(exc: BaseException, timeout_s: float) -> str:
+    """Why an HTTP exchange got no reply, in words: the peer refused, dropped the connection, or was silent."""
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp's own timeouts are TimeoutErrors too
+        return f"no reply within {timeout_s:g} s"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"connection refused or unreachable ({exc.os_error.strerror or exc.os_error})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "connection closed before the reply (the process died or dropped it)"
+    if isinstance(exc, aiohttp.ClientOSError):
+        return f"connection broken ({exc.strerror or exc})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def reply_message(text: str) -> str:
@@ -85,10 +101,21 @@ def number_field(value: Any, field: str, *, minimum: float) -> float:
     return float(value)
 
 
+def raise_open_files_limit() -> None:
+    """Lift this process's soft limit on open files to its hard limit. Every connection is a descriptor,
+    and a server in front of a thousand sessions holds theirs and as many onward: at the usual soft
+    limit of 1024 the session service refused most of a thousand sessions (EMFILE) on the same machine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 async def serve_app(app: web.Application, host: str, port: int, *, name: str,
                     on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
     """Serve ``app`` until SIGTERM or SIGINT. Prints ``<name> serving http://HOST:PORT`` once the port is
     bound (port 0 picks a free one), which is what a parent process waits for."""
+    raise_open_files_limit()
     runner = web.AppRunner(app, access_log=None)  # a line per request costs more than the routing
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

@@ -25,15 +25,22 @@ from torch import Tensor
 
 from milestream.config import Config, ModelConfig
 from milestream.engines.engine import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from milestream.engines.http_api import ROUTING_KEY_HEADER, reply_message
+from milestream.engines.http_api import ROUTING_KEY_HEADER, reply_message, transport_failure
 from milestream.infra.model import load_model, load_trainable_state_dict, merged_weights
 from milestream.streams.weights.disk import prune, write_full
 
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
+ROUTER_REPLY_MARGIN_S = 5.0
 
 
 class EngineHttpError(RuntimeError):
-    """An engine or router refused a request, could not be reached, or sent a reply we cannot read."""
+    """An engine or router refused a request, could not be reached, or sent a reply we cannot read.
+    ``status``: the HTTP status of a refusal (502 / 503 from the router: an engine down, its session
+    lost), None when no reply came."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def group_routing_key(request: GenerateRequest) -> str:
@@ -108,6 +115,7 @@ class HttpEngine:
         self.url = url.rstrip("/")
         self.routing_key, self.weights_dir, self.key_header = routing_key, weights_dir, key_header
         self._full_weights = FullWeights(model) if model is not None and model.lora_rank > 0 else None
+        self.timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._client: aiohttp.ClientSession | None = None
         self._version = initial_version
@@ -158,9 +166,10 @@ class HttpEngine:
             async with self._client.post(self.url + path, json=payload, headers=headers) as reply:
                 text = await reply.text()
                 if reply.status != 200:
-                    raise EngineHttpError(f"POST {self.url}{path}: HTTP {reply.status}: {reply_message(text)}")
+                    raise EngineHttpError(f"POST {self.url}{path}: HTTP {reply.status}: {reply_message(text)}",
+                                          reply.status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise EngineHttpError(f"POST {self.url}{path}: {type(exc).__name__}: {exc}") from exc
+            raise EngineHttpError(f"POST {self.url}{path}: {transport_failure(exc, self.timeout_s)}") from exc
         return json.loads(text) if text else {}
 
     async def close(self) -> None:
@@ -191,6 +200,8 @@ class RouterClient:
 
 
 def router_backend(cfg: Config) -> RouterClient:
-    """``sessions.backend=milestream.engines.http_engine:router_backend``: the router at router.host:port."""
+    """``sessions.backend=milestream.engines.http_engine:router_backend``: the router at router.host:port.
+    It waits a little past the router's own timeout, so the router's answer, which names the engine that
+    failed, arrives before this side gives up."""
     return RouterClient(f"http://{cfg.router.host}:{cfg.router.port}", key_header=cfg.router.key_header,
-                        timeout_s=cfg.router.request_timeout_s)
+                        timeout_s=cfg.router.request_timeout_s + ROUTER_REPLY_MARGIN_S)

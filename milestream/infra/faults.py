@@ -7,6 +7,8 @@ looks there for an arm file at each pass of its point:
   DIR/POINT.held.PID  the process PID took the hold (renamed from the arm file, so only one takes it)
                       and blocks the calling thread until this file is deleted or the process killed
 
+  DIR/POINT.fail      ``fail(POINT)`` raises InjectedFault for as long as this file exists
+
 A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known point. The points:
 
   worker.sample_published     a rollout worker, after sending one sample of a group
@@ -14,6 +16,10 @@ A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known po
   trainer.collected           the trainer, with its batch taken, before the step
   trainer.published           the trainer, the step's weights and metrics sent, before its checkpoint
   trainer.checkpoint_written  the checkpoint written to its temporary folder, not yet the latest
+
+and the failure points:
+
+  engine.step                 the CpuEngine, at the start of a step (every row of the step fails)
 """
 from __future__ import annotations
 
@@ -47,3 +53,13 @@ def hold(point: str) -> None:
     _passes_armed.pop(point, None)
     while held.exists():
         time.sleep(0.05)
+
+
+class InjectedFault(RuntimeError):
+    """A failure a test asked for (``DIR/POINT.fail``)."""
+
+
+def fail(point: str) -> None:
+    directory = os.environ.get(HOLD_DIR)
+    if directory and Path(directory, f"{point}.fail").exists():
+        raise InjectedFault(f"injected fault at {point}")

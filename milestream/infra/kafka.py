@@ -141,11 +141,27 @@ class RecordConsumer(Generic[R]):
                     "fetch.message.max.bytes": str(cfg.max_message_bytes),
                     "fetch.wait.max.ms": str(cfg.fetch_wait_ms), **GROUP_TIMEOUTS, **extra}
         self.consumer = Consumer(client_config(cfg, **settings))
-        self.topic = topic_name(cfg, spec)
+        self.topic, self.group_id = topic_name(cfg, spec), group_id
+        self.subscribed = False
+        self.owned: set[int] = set()  # a subscribed member's partitions, as its rebalance callbacks tell
 
     def subscribe(self) -> "RecordConsumer[R]":
-        self.consumer.subscribe([self.topic])
+        """Share the topic's partitions with the other members of the group (they rebalance as members come
+        and go). Which member holds which partitions is the first question about a group that stalls, so
+        each assignment and revocation is logged; confluent-kafka still assigns after the callbacks."""
+        self.consumer.subscribe([self.topic], on_assign=self._rebalanced("assigned"),
+                                on_revoke=self._rebalanced("revoked"), on_lost=self._rebalanced("lost"))
+        self.subscribed = True
         return self
+
+    def _rebalanced(self, event: str) -> Callable[[Consumer, list[TopicPartition]], None]:
+        """Keeps ``owned`` (asking librdkafka for the assignment from another thread can block for as long as
+        a rebalance lasts) and logs the change."""
+        def callback(_consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            changed = {p.partition for p in partitions}
+            self.owned = self.owned | changed if event == "assigned" else self.owned - changed
+            log.info("consumer group %s %s %s partitions %s", self.group_id, event, self.topic, sorted(changed))
+        return callback
 
     def assign(self, offsets: dict[int, int] | None = None, partitions: Iterable[int] = ()) -> "RecordConsumer[R]":
         """Read the given partitions from the given next offsets (the beginning where none is given)."""
@@ -174,6 +190,18 @@ class RecordConsumer(Generic[R]):
                 continue
             return Delivery(position, msg.key(), records, msg.timestamp()[1] / 1000.0)
 
+    def keep_place(self, seconds: float) -> None:
+        """Serve the group for ``seconds`` (its rebalances, its heartbeats) without taking a record: a member
+        busy elsewhere keeps its place, and a worker joining or leaving never waits for it."""
+        paused = [TopicPartition(self.topic, p) for p in self.owned]
+        self.consumer.pause(paused)
+        try:
+            msg = self.consumer.poll(seconds)
+            if msg is not None and msg.error() is None:  # from a partition assigned during the poll: put it back
+                self.consumer.seek(TopicPartition(msg.topic(), msg.partition(), msg.offset()))
+        finally:
+            self.consumer.resume([TopicPartition(self.topic, p) for p in self.owned])
+
     def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Delivery[R]]:
         """Everything until the topic stays quiet for ``idle_s`` (tansu's end offsets are unreliable)."""
         out: list[Delivery[R]] = []
@@ -185,8 +213,36 @@ class RecordConsumer(Generic[R]):
             out.append(delivery)
         return out
 
-    def commit(self, offsets: dict[int, int]) -> None:
-        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()], asynchronous=False)
+    def drain_to_end(self, partition: int, max_wait_s: float = 60.0) -> list[Delivery[R]]:
+        """Everything one assigned partition holds now: read up to the end offset the broker reports at the
+        call. A reader that has not fetched yet would look like an empty topic to ``drain``."""
+        end, out = end_offset(self, partition), []
+        deadline = time.monotonic() + max_wait_s
+        while end > 0 and time.monotonic() < deadline:
+            (position,) = self.consumer.position([TopicPartition(self.topic, partition)])
+            if position.offset >= end:
+                break
+            if (delivery := self.poll(0.5)) is not None:
+                out.append(delivery)
+        return out
+
+    def commit(self, offsets: dict[int, int], wait: bool = True) -> bool:
+        """Commit next offsets (partition -> offset). A subscribed member commits only the partitions it owns
+        now: a revoked partition is its new owner's to commit. False when the broker refused (a rebalance
+        under way); the caller's next commit carries the same offsets. ``wait=False`` sends the commit and
+        returns: during a rebalance the broker may hold a waiting commit for many seconds."""
+        if self.subscribed:
+            owned = self.owned
+            offsets = {p: o for p, o in offsets.items() if p in owned}
+        if not offsets:
+            return True
+        try:
+            self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()],
+                                 asynchronous=not wait)
+        except KafkaException as exc:
+            log.warning("%s: commit of %s refused (%s); the next commit carries it", self.topic, offsets, exc)
+            return False
+        return True
 
     def committed(self, partitions: Iterable[int]) -> dict[int, int]:
         """The group's committed next offsets of ``partitions`` (a partition never committed: absent)."""

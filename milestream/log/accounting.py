@@ -57,7 +57,7 @@ class Accounting:
     queued: dict[str, int]  # group id -> oldest token version, for the groups the trainer will read
     prompts_admitted: int
     held: int  # groups that will give a credit back without taking one
-    readmitted_settled: int  # prompts rollout will admit again although their group already left
+    in_flight: tuple[str, ...]  # of those, the groups admitted that the processor has yet to settle
 
 
 @dataclass(frozen=True)
@@ -120,29 +120,29 @@ def derive_accounting(cfg: Config, run: LoggedRun, rollout_offsets: dict[int, in
       (b) a group whose prompt lies below rollout's committed offset (it will not be admitted again)
           and that has not left yet (no buffer.groups / buffer.dropped record) will be settled by the
           processor: it holds one;
-      (c) a group whose prompt lies at or past that offset is admitted again and takes a new credit;
-          if it had already left, the processor treats its records as duplicates and never returns
-          that credit, so one is added back in advance.
-    The feeder's admitted count is set so that published - admitted = the prompts rollout will read.
+      (c) a group whose prompt lies at or past that offset is admitted again: it takes a new credit,
+          unless the processor has settled it, when admission passes it over (streams/ledger.py).
+    The groups of (b) are the ledger's admitted groups; the feeder's admitted count is set so that
+    published - admitted = the prompts rollout will read.
     """
     offsets, seen = run.trainer.offsets, run.trainer.seen_groups
     entered, left = run.entered, run.left
     to_collect = {g: oldest for p, o, g, oldest in run.emitted if o >= offsets.get(p, 0) and g not in seen}
     unread = {g for g, (p, o) in run.prompts.items() if o >= rollout_offsets.get(p, 0)}
     pending = entered - unread - left
-    settled_again = entered & unread & left
     held = len(to_collect) + len(pending)
     if held > cfg.buffer_capacity:
         log.warning("more groups hold a credit (%d) than the buffer's capacity (%d): rollout waits until they leave",
                     held, cfg.buffer_capacity)
-    return Accounting(cfg.buffer_capacity - held + len(settled_again), to_collect,
-                      max(0, prompts_published - len(unread)), held, len(settled_again))
+    return Accounting(cfg.buffer_capacity - held, to_collect, max(0, prompts_published - len(unread)), held,
+                      tuple(sorted(pending)))
 
 
 def rebuild_ledger(cfg: Config, run: LoggedRun, rollout_offsets: dict[int, int]) -> Accounting:
     """Write a fresh Redis's ledger whole from the log; call with every stage stopped."""
     accounting = derive_accounting(cfg, run, rollout_offsets, run.first_attempts)
-    BufferLedger(cfg).rebuild(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted),
+    BufferLedger(cfg).rebuild(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted,
+                                         admitted=accounting.in_flight),
                               settled=run.left, totals=run.processor_totals(), prompts_published=run.first_attempts)
     log.info("rebuilt the buffer ledger from the log: %s; %d groups settled, the feeder at %d", accounting,
              len(run.left), run.first_attempts)

@@ -4,6 +4,8 @@ Against the trainer's lineage (``log/lineage.py``), every group that reached ``b
 exactly one of: trained (once), dropped with a reason, or still waiting in the buffer when the run
 stopped (not yet seen by the trainer's last checkpoint, at or past its offset). Anything else was
 lost; a group both trained and dropped, or trained twice, is a failure too.
+
+A run on a Kafka cluster has no archive: its log is the brokers' (``audit_run(run_dir, BrokerSource(cfg))``).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from milestream.log.lineage import BUFFERED, DROPPED, LOST, Lineage, lineage_of
-from milestream.log.reader import read_archive, read_archive_fields
+from milestream.log.reader import LogSource, read_archive, read_archive_fields
 from milestream.schemas import topics
 from milestream.train import checkpoint
 
@@ -45,8 +47,13 @@ def archived_lineage(run_dir: str | Path) -> Lineage:
     return lineage
 
 
-def audit_run(run_dir: str | Path) -> Audit:
-    lineage = archived_lineage(run_dir)
+def audit_run(run_dir: str | Path, source: LogSource | None = None) -> Audit:
+    """The audit of the run in ``run_dir`` (its checkpoints), its log read from ``source`` (default: the archive)."""
+    if source is None:
+        lineage = archived_lineage(run_dir)
+    else:
+        specs = (topics.METRICS, topics.DROPPED, topics.GROUPS)
+        lineage = lineage_of(m for spec in specs for m in source.messages(spec))
     payload = checkpoint.load_latest(run_dir)
     fates = lineage.fates(checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState())
     outcomes = collections.Counter(fates[g].outcome for g in lineage.emitted)

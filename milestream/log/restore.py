@@ -167,7 +167,8 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
         return rebuild_ledger(cfg, run, rollout_offsets)
     ledger = BufferLedger(cfg)
     figures = derive_accounting(cfg, run, rollout_offsets, ledger.prompts_published())
-    ledger.reconcile(Reconciled(figures.credit, figures.queued, figures.prompts_admitted, tuple(unsettled)))
+    ledger.reconcile(Reconciled(figures.credit, figures.queued, figures.prompts_admitted, tuple(unsettled),
+                                figures.in_flight))
     log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", figures,
              len(unsettled))
     return figures

@@ -1,19 +1,32 @@
 """The asynchronous rollout worker: prompts in, scored trajectories and log-probs out.
 
-Each admitted prompt is one group of ``group_size`` samples and costs one buffer credit. With
+Each admitted prompt is one group of ``group_size`` samples and costs one buffer credit, taken once per
+group id (streams/ledger.py): a prompt redone after its worker died keeps the credit it holds. With
 sample-granular refill (the default) every sample holds one of ``max_inflight_samples`` slots and a
 finished sample frees its slot at once; with group-granular refill a group takes all its slots
 before it starts and frees them when its last sample ends. Without credit nothing is admitted.
 What a group's samples are, how they are generated and scored is the rollout layers' business
 (producers/rollout.py: rollout, generate and agent functions, each an import path).
+
+Failures are events, never silence: when the engine or a rollout layer raises, every sample of the group
+not yet published is published with status ``error`` and the reason, so the processor drops the group
+(reason ``error``), its credit comes back and its prompt offset is committed. ``rollout.max_errors``
+failed groups within ``rollout.error_window_s`` stop the worker with exit code 3 and the last error.
+Stopped (SIGTERM), a worker admits nothing more, lets its groups finish for ``rollout.stop_grace_s`` and
+publishes what is left as ``aborted``.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import queue
 import signal
+import sys
+import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,7 +34,7 @@ from milestream.config import Config
 from milestream.engines.engine import CpuEngine, Engine, sampling_params
 from milestream.engines.moe_routing import routing_records
 from milestream.infra import faults
-from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.infra.offsets import HeldOffsets
 from milestream.producers.rewards import Reward
@@ -31,10 +44,11 @@ from milestream.schemas.codec import Position
 from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
 from milestream.streams import weights
 from milestream.streams.weights import verify
-from milestream.streams.ledger import BufferLedger
+from milestream.streams.ledger import COMPLETE, NO_CREDIT, READMITTED, BufferLedger
 
 log = logging.getLogger(__name__)
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+EXIT_GAVE_UP = 3  # the worker stopped itself: failures persisted (``milestream run`` stops the run)
 
 
 @dataclass
@@ -77,6 +91,78 @@ class NoHook:
         return None
 
 
+class PromptReader:
+    """The worker's place in the prompts consumer group, kept by one thread that alone uses the consumer and
+    polls all the time, so a rebalance (a worker joining or leaving) never waits for a worker busy
+    generating or out of credit, and the event loop never waits on the broker. It reads at most one prompt
+    ahead of admission, and sends the offsets the worker hands it between two polls."""
+
+    def __init__(self, consumer: RecordConsumer) -> None:
+        self.consumer = consumer
+        self.ready: queue.Queue[Delivery] = queue.Queue(maxsize=1)
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._to_commit: dict[int, int] = {}
+        self.thread = threading.Thread(target=self._read, name="prompt-reader", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while not self.stopped.is_set():
+            self._send_commit()
+            if self.ready.full():
+                self.consumer.keep_place(0.2)
+            elif (delivery := self.consumer.poll(0.2)) is not None:
+                self.ready.put(delivery)
+
+    def _send_commit(self) -> None:
+        """Sent, not waited for: one that never lands costs a redo of prompts whose groups are complete,
+        which admission passes over."""
+        with self._lock:
+            offsets, self._to_commit = self._to_commit, {}
+        if offsets:
+            self.consumer.commit(offsets, wait=False)
+
+    async def next(self) -> Delivery:
+        while True:
+            try:
+                return self.ready.get_nowait()
+            except queue.Empty:
+                await asyncio.sleep(0.05)
+
+    def commit(self, offsets: dict[int, int]) -> None:
+        with self._lock:
+            self._to_commit = dict(offsets)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self._send_commit()
+        self.consumer.close()
+
+
+class ErrorWindow:
+    """Failed groups over the last ``window_s`` seconds; ``add`` tells when they reach ``limit``."""
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit, self.window_s = limit, window_s
+        self.times: deque[float] = deque()
+        self.total = 0
+        self.last = ""
+
+    def add(self, error: str) -> bool:
+        now = time.monotonic()
+        self.times.append(now)
+        self.total += 1
+        self.last = error
+        while now - self.times[0] > self.window_s:
+            self.times.popleft()
+        return len(self.times) >= self.limit
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
 class RolloutWorker:
     def __init__(self, cfg: Config, worker_id: str, engine: Engine, tokenizer, hook: EngineHook | None = None) -> None:
         self.cfg, self.worker_id, self.engine, self.tokenizer = cfg, worker_id, engine, tokenizer
@@ -84,8 +170,8 @@ class RolloutWorker:
         self.ctx = RolloutContext(cfg, worker_id, engine, tokenizer, sampling_params(cfg.rollout, tokenizer),
                                   self._generate_in_slot, self.layers.agent)
         self.producer = RecordProducer(cfg.broker, client_id=f"rollout-{worker_id}")
-        self.prompts = RecordConsumer(cfg.broker, topics.PROMPTS, f"{cfg.broker.topic_prefix}rollout",
-                                      deadletter=self.producer).subscribe()
+        self.prompts = PromptReader(RecordConsumer(cfg.broker, topics.PROMPTS, f"{cfg.broker.topic_prefix}rollout",
+                                                   deadletter=self.producer).subscribe())
         self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"rollout-{worker_id}-versions",
                                        deadletter=self.producer).assign(partitions=[0])
         self.ledger = BufferLedger(cfg)
@@ -97,15 +183,25 @@ class RolloutWorker:
         self.hook = hook or NoHook()
         self.samples_done = 0
         self.stalled_s = 0.0
+        self.errors = ErrorWindow(cfg.rollout.max_errors, cfg.rollout.error_window_s)
+        self.gave_up = ""  # why the worker stopped itself, if it did
+        self._stop = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop
         background = [asyncio.create_task(self._follow_weights(stop)), asyncio.create_task(self._report(stop))]
         admit = asyncio.create_task(self._admit_forever())
         await stop.wait()
         admit.cancel()
-        for task in [*background, *self.tasks]:
+        if self.tasks and not self.gave_up:  # scaled in: the groups in flight may finish, the rest is aborted
+            log.info("worker %s stopping: %d groups in flight get %.0f s to finish", self.worker_id, len(self.tasks),
+                     self.cfg.rollout.stop_grace_s)
+            await asyncio.wait(set(self.tasks), timeout=self.cfg.rollout.stop_grace_s)
+        running = list(self.tasks)
+        for task in [*background, *running]:
             task.cancel()
-        await asyncio.gather(admit, *background, *self.tasks, return_exceptions=True)
+        await asyncio.gather(admit, *background, *running, return_exceptions=True)
+        log.info("worker %s stopped: %d groups aborted", self.worker_id, len(running))
         self.producer.flush()
         self.prompts.close()
         self.versions.close()
@@ -124,25 +220,30 @@ class RolloutWorker:
             await group.task.admitted.wait()
 
     async def _next_group(self) -> Group:
-        """Wait for a credit, then for a prompt; the credit is returned if no prompt comes."""
+        """The next prompt, admitted with its credit; a prompt whose group the processor already has (a redo
+        after a crash) is passed over."""
         while True:
-            if not self.ledger.try_take():
-                started = time.monotonic()
-                await asyncio.sleep(0.1)
-                self.stalled_s += time.monotonic() - started
+            delivery = await self.prompts.next()
+            prompt, position = delivery.records[0], delivery.position
+            self.offsets.started(position.partition, position.offset)
+            admission = await self._admission(prompt.group_id)
+            if admission == COMPLETE:
+                self._prompt_done(position)
                 continue
-            try:
-                delivery = await asyncio.to_thread(self.prompts.poll, 0.5)
-            except asyncio.CancelledError:  # stopped while waiting for a prompt: the credit was not used
-                self.ledger.give_back()
-                raise
-            if delivery is None:
-                self.ledger.give_back()
-                continue
-            prompt = delivery.records[0]
-            self.ledger.prompt_admitted()
-            self.offsets.started(delivery.position.partition, delivery.position.offset)
-            return Group(GroupTask(prompt, self.cfg.rollout.group_size), delivery.position)
+            if admission == READMITTED:
+                log.info("group %s: redone (admitted before by a worker that stopped), with its credit", prompt.group_id)
+            return Group(GroupTask(prompt, self.cfg.rollout.group_size), position)
+
+    async def _admission(self, group_id: str) -> str:
+        while (admission := self.ledger.admit(group_id, self.worker_id)) == NO_CREDIT:
+            started = time.monotonic()
+            await asyncio.sleep(0.1)
+            self.stalled_s += time.monotonic() - started
+        return admission
+
+    def _prompt_done(self, position: Position) -> None:
+        self.offsets.done(position.partition, position.offset)
+        self.prompts.commit(self.offsets.committable())
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -155,20 +256,42 @@ class RolloutWorker:
             log.error("sample task failed", exc_info=task.exception())
 
     async def _run_group(self, group: Group) -> None:
-        """The rollout function's samples of one group, each published as it comes."""
+        """The rollout function's samples of one group, each published as it comes; a failure or a stop
+        publishes the rest as errors or aborted. Either way the group is whole on the log, and its prompt done."""
+        published: set[int] = set()
         try:
             async for index, sample, reward in self.layers.rollout(self.ctx, group.task):
                 self._publish(group, index, sample, reward)
+                published.add(index)
                 self.samples_done += 1
                 faults.hold("worker.sample_published")
-        finally:
-            group.task.admitted.set()
-            if self.group_refill:
-                for _ in range(group.task.size):
-                    self.slots.release()
+        except asyncio.CancelledError:  # stopped, past rollout.stop_grace_s
+            self._publish_unfinished(group, published, "aborted", f"worker {self.worker_id} stopped")
+            self._group_done(group)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine's or a plug-in's failure becomes the group's record
+            error = describe(exc)
+            log.error("group %s failed: %s", group.group_id, error)
+            self._publish_unfinished(group, published, "error", error)
+            if self.errors.add(error):
+                self._give_up()
+        self._group_done(group)
+
+    def _group_done(self, group: Group) -> None:
+        group.task.admitted.set()
+        if self.group_refill:
+            for _ in range(group.task.size):
+                self.slots.release()
         self.producer.flush()
-        self.offsets.done(group.position.partition, group.position.offset)
-        self.prompts.commit(self.offsets.committable())
+        self._prompt_done(group.position)
+
+    def _give_up(self) -> None:
+        window = self.errors
+        self.gave_up = (f"rollout worker {self.worker_id} stops: {len(window.times)} failed groups within "
+                        f"{window.window_s:.0f} s (rollout.max_errors {window.limit}, rollout.error_window_s); "
+                        f"the last error: {window.last}")
+        log.error("%s", self.gave_up)
+        self._stop.set()
 
     async def _generate_in_slot(self, task: GroupTask, index: int) -> Sample:
         """``ctx.generate``: the generate function, holding one of ``max_inflight_samples`` slots."""
@@ -186,20 +309,27 @@ class RolloutWorker:
 
     def _publish(self, group: Group, index: int, sample: Sample, reward: float | Reward) -> None:
         scored = reward if isinstance(reward, Reward) else Reward(reward)
-        size = group.task.size
-        routing = routing_records(f"{group.group_id}/{index}", group.group_id, index, size, sample.routing)
+        routing = routing_records(f"{group.group_id}/{index}", group.group_id, index, group.task.size, sample.routing)
+        self._send(group, index, sample.logprobs, routing, prompt_ids=sample.prompt_ids,
+                   response_ids=sample.response_ids, loss_mask=sample.loss_mask, token_versions=sample.versions,
+                   reward=scored.value, status=STATUS[sample.finish_reason],
+                   response_text=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
+                   routing_chunks=len(routing), reward_error=scored.error)
+
+    def _publish_unfinished(self, group: Group, published: set[int], status: str, reason: str) -> None:
+        """The samples of ``group`` not published yet, as empty ``status`` records saying why."""
+        for index in sorted(set(range(group.task.size)) - published):
+            self._send(group, index, [], [], prompt_ids=[], response_ids=[], loss_mask=[], token_versions=[],
+                       reward=0.0, status=status, response_text="", error=reason)
+
+    def _send(self, group: Group, index: int, logprobs: list[float], routing: list, **fields) -> None:
         trajectory = Trajectory(
             trajectory_id=f"{group.group_id}/{index}", group_id=group.group_id, prompt_id=group.prompt.prompt_id,
-            sample_index=index, group_size=size, prompt_ids=sample.prompt_ids, response_ids=sample.response_ids,
-            loss_mask=sample.loss_mask, token_versions=sample.versions, reward=scored.value,
-            status=STATUS[sample.finish_reason],
-            response_text=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
-            engine_id=self.worker_id, worker_id=self.worker_id, submitted_at=group.submitted_at,
-            finished_at=time.time(), routing_chunks=len(routing), reward_error=scored.error,
-        )
-        logprobs = LogProbs(trajectory.trajectory_id, group.group_id, index, size, sample.logprobs)
+            sample_index=index, group_size=group.task.size, engine_id=self.worker_id, worker_id=self.worker_id,
+            submitted_at=group.submitted_at, finished_at=time.time(), **fields)
         self.producer.send(topics.TRAJECTORIES, [trajectory], key=group.group_id)
-        self.producer.send(topics.LOGPROBS, [logprobs], key=group.group_id)
+        self.producer.send(topics.LOGPROBS, [LogProbs(trajectory.trajectory_id, group.group_id, index,
+                                                      group.task.size, logprobs)], key=group.group_id)
         for chunk in routing:  # a message each: chunking keeps every message under the broker's limit
             self.producer.send(topics.ROUTING, [chunk], key=group.group_id)
 
@@ -208,9 +338,14 @@ class RolloutWorker:
         nothing is admitted before the first pass, nor before the noise check's first version."""
         receiver = await asyncio.to_thread(weights.make_receiver, self.cfg, self.worker_id)
         noise = await self._fill_noise() if self.cfg.weights.noise_check else None
+        first_pass = True
         try:
             while not stop.is_set():
-                deliveries = await asyncio.to_thread(self.versions.drain, 0.5, 5.0)
+                # the first pass reads every version announced so far, however slow the reader is to start
+                read = functools.partial(self.versions.drain_to_end, 0) if first_pass else \
+                    functools.partial(self.versions.drain, 0.5, 5.0)
+                deliveries = await asyncio.to_thread(read)
+                first_pass = False
                 newer = sorted((r for d in deliveries for r in d.records
                                 if r.version > self.engine.version or (noise and noise.pending)),
                                key=lambda r: r.version)
@@ -264,6 +399,7 @@ class RolloutWorker:
                       "inflight": float(len(self.tasks)), "stalled_s": self.stalled_s,
                       "engine_version": float(self.engine.version),
                       "update_pause_s": float(getattr(self.engine, "update_pause_s", 0.0)),
+                      "failed_groups": float(self.errors.total), "failed_groups_in_window": float(len(self.errors.times)),
                       **self.ctx.reward_figures.take()}
             self.producer.send(topics.METRICS, [Metrics(f"rollout/{self.worker_id}", int(elapsed), time.time(), values)])
 
@@ -273,10 +409,12 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
     engine server, milestream's router, or SGLang servers behind it; weight versions reach them as
     disk files this worker stages under the run folder."""
     if cfg.rollout.engine_url:
-        from milestream.engines.http_engine import HttpEngine
+        from milestream.engines.http_engine import ROUTER_REPLY_MARGIN_S, HttpEngine
 
+        # past the router's own timeout, so the router's answer (which names the engine that failed) comes first
         return HttpEngine(cfg.rollout.engine_url, weights_dir=cfg.run_path / "engine-weights" / worker_id,
-                          key_header=cfg.router.key_header, model=cfg.model)
+                          key_header=cfg.router.key_header, model=cfg.model,
+                          timeout_s=cfg.router.request_timeout_s + ROUTER_REPLY_MARGIN_S)
     seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
     return CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
 
@@ -295,3 +433,5 @@ def run_worker(cfg: Config, worker_id: str, hook: EngineHook | None = None) -> N
         await engine.close()
 
     asyncio.run(main())
+    if worker.gave_up:
+        sys.exit(EXIT_GAVE_UP)

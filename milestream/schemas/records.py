@@ -68,7 +68,7 @@ TRAJECTORY_FIELDS = [
     ("token_versions", I32_LIST), ("reward", pa.float32()), ("status", pa.string()),
     ("response_text", pa.string()), ("engine_id", pa.string()), ("worker_id", pa.string()),
     ("submitted_at", pa.float64()), ("finished_at", pa.float64()), ("routing_chunks", pa.int32()),
-    ("reward_error", pa.string()),
+    ("reward_error", pa.string()), ("error", pa.string()),
 ]
 
 
@@ -85,7 +85,7 @@ class Trajectory(Record):
     loss_mask: list[int]
     token_versions: list[int]  # weight version that produced each response token
     reward: float
-    status: str  # completed | truncated | aborted
+    status: str  # completed | truncated | aborted | error
     response_text: str
     engine_id: str
     worker_id: str
@@ -93,9 +93,10 @@ class Trajectory(Record):
     finished_at: float
     routing_chunks: int = 0  # Routing records that belong to it on rollout.routing (0: none recorded)
     reward_error: str = ""  # why the reward failed (its group is dropped, reason reward_error); "" when it did not
+    error: str = ""  # status error: why the sample failed (engine, generate or rollout function); dropped as error
     SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS)
-    VERSION: ClassVar = 2  # 2: reward_error
-    STATUSES: ClassVar = ("completed", "truncated", "aborted")
+    VERSION: ClassVar = 3  # 2: reward_error; 3: error
+    STATUSES: ClassVar = ("completed", "truncated", "aborted", "error")
 
 
 @_checked

@@ -4,7 +4,8 @@ A group is complete when every sample has its trajectory, its log-probs and, whe
 MoE routing (``Trajectory.routing_chunks`` > 0), every routing chunk. Records may arrive in any order
 and are de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is
 harmless.
-On completion a group is dropped, in Miles' order, when a sample was aborted, when a sample's reward
+On completion a group is dropped when a sample failed (status ``error``: the engine or a rollout layer
+raised), then, in Miles' order, when a sample was aborted, when a sample's reward
 failed (``reward_error``), when the user filter rejects it, or (a pre-drop) when it is already past the
 staleness window of the latest version seen.
 """
@@ -167,6 +168,9 @@ class GroupAssembler:
         return outcomes
 
     def _verdict(self, samples: list[GroupSample]) -> tuple[str, str] | None:
+        failed = [s for s in samples if s.status == "error"]
+        if failed:
+            return "error", f"samples {[s.sample_index for s in failed]}: {failed[0].error}"
         aborted = [s.sample_index for s in samples if s.status == "aborted"]
         if aborted:
             return "aborted", f"samples {aborted} aborted"

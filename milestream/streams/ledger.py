@@ -2,13 +2,17 @@
 
     credit available + groups held = capacity
 
-A rollout worker takes one credit before it admits a prompt (one group); the group holds it until it
-leaves the system: trained or dropped by the trainer, or dropped by the processor. So groups in
-flight plus groups buffered never exceed the capacity, and a paused trainer stalls rollout.
+A rollout worker admits a prompt (one group) with one credit; the group holds it until it leaves the
+system: trained or dropped by the trainer, or dropped by the processor. So groups in flight plus
+groups buffered never exceed the capacity, and a paused trainer stalls rollout. Admission is by group
+id and idempotent: a prompt redone after its worker died (its offset was never committed) keeps the
+credit its first admission took, and a prompt whose group the processor already has takes none.
 
 What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix`` name the run):
 
 - credit: the credits available.
+- admitted: the groups admitted and not yet settled by the processor (group id -> the worker that holds
+  it), so a redone prompt is recognised and the groups in flight can be counted.
 - queue: the groups on buffer.groups that the trainer has not taken yet, a hash of group id -> the
   group's oldest token version, so anyone can tell the queue size and the staleness of what waits.
 - settlements: whether the processor is sending a group or has settled it (emitted or dropped), and
@@ -36,12 +40,20 @@ from milestream.config import Config
 SENDING, SETTLED = "sending", "settled"
 EMITTED = "emitted"  # a settlement's outcome; any other outcome is a drop reason
 
-_TAKE = """
-local available = tonumber(redis.call('GET', KEYS[1]) or '0')
-if available >= tonumber(ARGV[1]) then
-  return redis.call('DECRBY', KEYS[1], ARGV[1])
+ADMITTED, READMITTED, COMPLETE, NO_CREDIT = "admitted", "readmitted", "complete", "no-credit"
+
+# KEYS: credit, admitted, prompts admitted, settlements. ARGV: group id, holder. Returns one of the above.
+_ADMIT = """
+if redis.call('HGET', KEYS[4], ARGV[1]) then return 'complete' end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  return 'readmitted'
 end
-return -1
+if tonumber(redis.call('GET', KEYS[1]) or '0') < 1 then return 'no-credit' end
+redis.call('DECR', KEYS[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('INCR', KEYS[3])
+return 'admitted'
 """
 
 # KEYS: settlements, totals. ARGV: group id. Returns the state before (nil: first attempt).
@@ -53,11 +65,12 @@ redis.call('HSET', KEYS[1], ARGV[1], 'sending')
 return previous
 """
 
-# KEYS: settlements, totals, credit, queue, taken early. ARGV: group id, "emitted" or the drop
+# KEYS: settlements, totals, credit, queue, taken early, admitted. ARGV: group id, "emitted" or the drop
 # reason, the group's oldest token version. 1: this call settled the group, 0: it was settled before.
 _SETTLE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == 'settled' then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], 'settled')
+redis.call('HDEL', KEYS[6], ARGV[1])
 local taken_early = redis.call('SREM', KEYS[5], ARGV[1]) == 1
 if ARGV[2] == 'emitted' then
   if taken_early then
@@ -91,6 +104,7 @@ class LedgerKeys:
     """The Redis key of each part of one run's ledger (the layout resumed runs rely on)."""
 
     credit: str
+    admitted: str  # hash: group id -> holder
     queue: str  # hash: group id -> oldest token version
     taken_early: str  # set of group ids
     settlements: str  # hash: group id -> SENDING / SETTLED
@@ -101,7 +115,7 @@ class LedgerKeys:
     @classmethod
     def of(cls, cfg: Config) -> "LedgerKeys":
         namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
-        return cls(namespace + "credit", namespace + "queued", namespace + "taken-early",
+        return cls(namespace + "credit", namespace + "admitted", namespace + "queued", namespace + "taken-early",
                    namespace + "processor-groups", namespace + "processor-totals",
                    namespace + "prompts-admitted", namespace + "prompts-published")
 
@@ -114,6 +128,7 @@ class Reconciled:
     queue: Mapping[str, int]  # group id -> oldest token version
     prompts_admitted: int
     unsettled: tuple[str, ...] = ()  # groups to forget as settled: the processor redoes them
+    admitted: tuple[str, ...] = ()  # groups in flight: admitted, not settled, their prompts not to be read again
 
 
 class BufferLedger:
@@ -121,7 +136,7 @@ class BufferLedger:
         self.client = redis.Redis.from_url(cfg.redis.url, socket_timeout=10)
         self.keys = LedgerKeys.of(cfg)
         self.capacity = cfg.buffer_capacity
-        self._take = self.client.register_script(_TAKE)
+        self._admit = self.client.register_script(_ADMIT)
         self._begin = self.client.register_script(_BEGIN)
         self._settle = self.client.register_script(_SETTLE)
         self._leave = self.client.register_script(_LEAVE)
@@ -131,12 +146,15 @@ class BufferLedger:
         self.client.set(self.keys.credit, self.capacity, nx=True)
 
     # rollout workers: a credit per admitted group
-    def try_take(self, groups: int = 1) -> bool:
-        return int(self._take(keys=[self.keys.credit], args=[groups])) >= 0
+    def admit(self, group_id: str, holder: str) -> str:
+        """ADMITTED (a credit taken), READMITTED (admitted before, by a worker that died or stopped: it keeps
+        that credit), COMPLETE (the processor has the whole group: nothing to redo) or NO_CREDIT."""
+        keys = [self.keys.credit, self.keys.admitted, self.keys.prompts_admitted, self.keys.settlements]
+        return _text(self._admit(keys=keys, args=[group_id, holder]))
 
-    def give_back(self, groups: int = 1) -> None:
-        """Credit taken for a group that was never admitted (no prompt came)."""
-        self.client.incrby(self.keys.credit, groups)
+    def in_flight(self) -> dict[str, str]:
+        """The groups admitted and not settled yet: group id -> the worker that holds it."""
+        return {k.decode(): v.decode() for k, v in self.client.hgetall(self.keys.admitted).items()}
 
     def available(self) -> int:
         return int(self.client.get(self.keys.credit) or 0)
@@ -152,7 +170,8 @@ class BufferLedger:
 
     def settle(self, group_id: str, outcome: str, oldest_version: int = -1) -> bool:
         """``outcome``: EMITTED or the drop reason. False when the group had been settled before."""
-        keys = [self.keys.settlements, self.keys.totals, self.keys.credit, self.keys.queue, self.keys.taken_early]
+        keys = [self.keys.settlements, self.keys.totals, self.keys.credit, self.keys.queue, self.keys.taken_early,
+                self.keys.admitted]
         return bool(self._settle(keys=keys, args=[group_id, outcome, oldest_version]))
 
     def settled_or_sending(self) -> set[str]:
@@ -183,18 +202,14 @@ class BufferLedger:
                 "queue_staleness_max": float(max(lags, default=0)), "credit_available": float(self.available())}
 
     def balance(self) -> dict[str, int]:
-        """The invariant's terms, read with every stage stopped: credit available + groups queued + groups
-        admitted and not yet settled by the processor = capacity. ``unaccounted`` is the difference: a credit
-        leaked (positive) or returned twice (negative); 0 in a sound run."""
-        settled = sum(state == SETTLED.encode() for state in self.client.hvals(self.keys.settlements))
-        available, queued, in_flight = self.available(), self.queued(), self.prompts_admitted() - settled
+        """The invariant's terms: credit available + groups queued + groups admitted and not yet settled by
+        the processor = capacity. ``unaccounted`` is the difference: a credit leaked (positive) or returned
+        twice (negative); 0 in a sound run, at any moment (each term changes only inside a script)."""
+        available, queued, in_flight = self.available(), self.queued(), int(self.client.hlen(self.keys.admitted))
         return {"capacity": self.capacity, "available": available, "queued": queued, "in_flight": in_flight,
                 "unaccounted": self.capacity - available - queued - in_flight}
 
     # the prompt feeder keeps a bounded look-ahead of prompts beyond what workers have admitted
-    def prompt_admitted(self) -> None:
-        self.client.incr(self.keys.prompts_admitted)
-
     def prompts_admitted(self) -> int:
         return int(self.client.get(self.keys.prompts_admitted) or 0)
 
@@ -209,9 +224,11 @@ class BufferLedger:
         """Rewrite the ledger in one transaction; call with every stage stopped."""
         with self.client.pipeline(transaction=True) as tx:
             tx.set(self.keys.credit, figures.credit)
-            tx.delete(self.keys.queue, self.keys.taken_early)
+            tx.delete(self.keys.queue, self.keys.taken_early, self.keys.admitted)
             if figures.queue:
                 tx.hset(self.keys.queue, mapping=dict(figures.queue))
+            if figures.admitted:
+                tx.hset(self.keys.admitted, mapping={group: "restored" for group in figures.admitted})
             tx.set(self.keys.prompts_admitted, figures.prompts_admitted)
             if figures.unsettled:
                 tx.hdel(self.keys.settlements, *figures.unsettled)

@@ -7,12 +7,6 @@ the router counts the previous one as in flight.
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +21,8 @@ from milestream.engines.engine import GenerateRequest, GenerateResult, SamplingP
 from milestream.engines.http_api import ROUTING_KEY_HEADER
 from milestream.engines.http_engine import EngineHttpError, HttpEngine, RouterClient, router_backend
 from milestream.engines.router import AffinityTable, sglang_router_args
+from servers import MODEL, get_json, post_json, ready_urls, start, stop
 
-MODEL = ["--set", "model.name=tiny-random", "--set", "model.dtype=float32", "--set", "model.lora_rank=0"]
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
 
@@ -38,110 +32,55 @@ class Cluster:
     router: str
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen:
-    # its own process group, with faulthandler on: a hung server is sent SIGABRT and its stacks land in its log
-    return subprocess.Popen([sys.executable, "-m", "milestream.cli", *args], stdout=subprocess.PIPE,
-                            stderr=log.open("w"), text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
-
-
-def _ready_urls(process: subprocess.Popen, count: int, log: Path, hang_guard_s: float = 300.0) -> dict[str, str]:
-    """``{name: url}`` from the ``NAME serving URL`` lines a server prints once it listens; a server that
-    dies, or hangs (``hang_guard_s`` without a line), fails the fixture with its log instead of blocking."""
-    lines: queue.Queue[str] = queue.Queue()
-
-    def forward_lines() -> None:  # also keeps the pipe drained for as long as the server runs
-        for line in process.stdout:
-            lines.put(line)
-        lines.put("")  # end of output: the server exited
-
-    threading.Thread(target=forward_lines, daemon=True).start()
-    urls = {}
-    while len(urls) < count:
-        try:
-            line = lines.get(timeout=hang_guard_s)
-        except queue.Empty:
-            os.killpg(process.pid, signal.SIGABRT)  # every process of the server writes its stacks
-            process.wait(timeout=30)
-            raise RuntimeError(f"no server ready after {hang_guard_s:.0f} s: {log.read_text()[-3000:]}") from None
-        if not line:
-            raise RuntimeError(f"server exited before it was ready: {log.read_text()[-3000:]}")
-        if " serving " in line:
-            name, url = line.strip().rsplit(" serving ", 1)
-            urls[name] = url
-    return urls
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("router")
-    engines = _start(["engine", "--engines", "3", "--port", "0", "--engine-id", "e", *MODEL], logs / "engines.log")
+    engines = start(["engine", "--engines", "3", "--port", "0", "--engine-id", "e", *MODEL], logs / "engines.log")
     try:
-        by_name = _ready_urls(engines, 3, logs / "engines.log")
+        by_name = ready_urls(engines, 3, logs / "engines.log")
         urls = [by_name[f"engine e-{i}"] for i in range(3)]
-        router = _start(["router", "--set", f"router.engines=[{', '.join(urls)}]", "--set", "router.port=0"],
-                        logs / "router.log")
+        router = start(["router", "--set", f"router.engines=[{', '.join(urls)}]", "--set", "router.port=0"],
+                       logs / "router.log")
         try:
-            yield Cluster(urls, _ready_urls(router, 1, logs / "router.log")["router"])
+            yield Cluster(urls, ready_urls(router, 1, logs / "router.log")["router"])
         finally:
-            _stop(router)
+            stop(router)
     finally:
-        _stop(engines)
-
-
-async def _get(http: aiohttp.ClientSession, url: str) -> dict:
-    async with http.get(url) as reply:
-        assert reply.status == 200, await reply.text()
-        return await reply.json()
-
-
-async def _post(http: aiohttp.ClientSession, url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
-    headers = {ROUTING_KEY_HEADER: key} if key is not None else {}
-    async with http.post(url, json=body, headers=headers) as reply:
-        return reply.status, await reply.json()
+        stop(engines)
 
 
 async def _turn(http: aiohttp.ClientSession, router: str, key: str, input_ids: list[int]) -> tuple[str, list[int]]:
     """One turn of session ``key``: (the engine that served it, the tokens it generated)."""
     body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 4}, "return_logprob": True}
-    status, reply = await _post(http, router + "/generate", body, key)
+    status, reply = await post_json(http, router + "/generate", body, key)
     assert status == 200, reply
     return reply["meta_info"]["engine_id"], reply["output_ids"]
 
 
 async def _wait_in_flight(http: aiohttp.ClientSession, router: str, count: int) -> None:
     while True:
-        engines = (await _get(http, router + "/get_server_info"))["engines"]
+        engines = (await get_json(http, router + "/get_server_info"))["engines"]
         if sum(upstream["active_requests"] for ranks in engines for upstream in ranks) >= count:
             return
         await asyncio.sleep(0.02)
 
 
 async def _served(http: aiohttp.ClientSession, cluster: Cluster) -> list[int]:
-    return [(await _get(http, url + "/get_server_info"))["internal_states"][0]["requests_served"]
+    return [(await get_json(http, url + "/get_server_info"))["internal_states"][0]["requests_served"]
             for url in cluster.engines]
 
 
 def test_a_session_stays_on_one_engine_and_new_sessions_go_to_the_least_loaded(cluster: Cluster) -> None:
     async def scenario() -> None:
         async with aiohttp.ClientSession() as http:
-            assert (await _post(http, cluster.router + "/pause_generation", {}))[0] == 200  # to all three
+            assert (await post_json(http, cluster.router + "/pause_generation", {}))[0] == 200  # to all three
             # session a opens with three requests at once, then five new sessions arrive one by one
             keys = ["a", "a", "a", "b", "c", "d", "e", "f"]
             held = []
             for sent, key in enumerate(keys, start=1):
                 held.append(asyncio.create_task(_turn(http, cluster.router, key, [1, 2, 3 + sent])))
                 await _wait_in_flight(http, cluster.router, sent)
-            assert (await _post(http, cluster.router + "/continue_generation", {}))[0] == 200
+            assert (await post_json(http, cluster.router + "/continue_generation", {}))[0] == 200
             first = await asyncio.gather(*held)
             engine_of = {key: engine for key, (engine, _) in zip(keys, first)}
             assert {engine for key, (engine, _) in zip(keys, first) if key == "a"} == {engine_of["a"]}
@@ -176,9 +115,9 @@ def test_a_request_without_a_routing_key_is_refused_and_reaches_no_engine(cluste
         async with aiohttp.ClientSession() as http:
             before = await _served(http, cluster)
             for key in (None, "  "):
-                status, reply = await _post(http, cluster.router + "/generate", {"input_ids": [1, 2]}, key)
+                status, reply = await post_json(http, cluster.router + "/generate", {"input_ids": [1, 2]}, key)
                 assert status == 400 and reply["message"].startswith(f"{ROUTING_KEY_HEADER}: missing header")
-            status, reply = await _post(http, cluster.router + "/generate", {"input_ids": [1, "x"]}, "z")
+            status, reply = await post_json(http, cluster.router + "/generate", {"input_ids": [1, "x"]}, "z")
             assert status == 400 and reply["message"] == "input_ids[1]: expected an integer, got 'x'"
             assert await _served(http, cluster) == before
         with pytest.raises(ValueError, match="routing_key"):
@@ -200,7 +139,7 @@ def test_http_engine_updates_every_engine_behind_the_router(cluster: Cluster, tm
             await engine.update_weights(1, tensors)
             await engine.resume()
             async with aiohttp.ClientSession() as http:
-                versions = [(await _get(http, url + "/get_weight_version"))["weight_version"]
+                versions = [(await get_json(http, url + "/get_weight_version"))["weight_version"]
                             for url in cluster.engines]
             assert versions == ["1", "1", "1"]
             results = [await engine.generate_keyed(_request(f"g{i}/0"), f"g{i}") for i in range(3)]

@@ -1,7 +1,10 @@
 """milestream/infra/docker-compose.yml against the configuration the code reads (no Docker engine needed):
-services, the KRaft cluster, the topics it gets, and every milestream service's command and environment."""
+services, the KRaft cluster, the topics it gets, and every milestream service's command and environment;
+and against docker-compose's own validation. (test_compose_run.py runs the services.)"""
 import base64
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -123,3 +126,29 @@ def test_rollout_and_trainer_share_the_run_folder_and_one_image(monkeypatch):
     _, context, dockerfile = builds.pop()
     dockerfile_text = (COMPOSE.parent / context / dockerfile).read_text()
     assert "pip install" in dockerfile_text and "COPY milestream" in dockerfile_text
+
+
+DOCKER_COMPOSE = shutil.which("docker-compose")
+
+
+def docker_compose(compose_file: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([DOCKER_COMPOSE, "-f", str(compose_file), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.skipif(DOCKER_COMPOSE is None, reason="no docker-compose binary (Debian bookworm: "
+                    "apt-get install --no-install-recommends docker-compose, as .ci/run does)")
+def test_docker_compose_accepts_the_file_and_reads_it_as_these_tests_do(tmp_path):
+    # `config` validates against compose's schema, service and volume references; it needs no engine
+    checked = docker_compose(COMPOSE, "config", "-q")
+    assert checked.returncode == 0, checked.stderr
+    resolved = yaml.safe_load(docker_compose(COMPOSE, "config").stdout)["services"]
+    assert resolved.keys() == SERVICES.keys()
+    for name in MILESTREAM:  # anchors and merge keys resolve as yaml.safe_load resolves them here
+        assert resolved[name]["command"] == SERVICES[name]["command"], name
+        assert resolved[name]["environment"] == {k: str(v) for k, v in SERVICES[name]["environment"].items()}, name
+        assert resolved[name]["depends_on"] == SERVICES[name]["depends_on"], name
+    broken = tmp_path / "docker-compose.yml"  # the validator is a real one: it refuses a dependency condition typo
+    broken.write_text(COMPOSE.read_text().replace("service_completed_successfully", "service_completed"))
+    refused = docker_compose(broken, "config", "-q")
+    assert refused.returncode != 0 and "service_completed" in refused.stderr, refused.stderr

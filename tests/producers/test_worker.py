@@ -36,7 +36,7 @@ def test_worker_publishes_groups_and_stalls_without_credit(cfg):
             assert len(t.response_ids) == len(t.loss_mask) == len(t.token_versions) > 0
             assert t.status in ("completed", "truncated") and t.token_versions == [0] * len(t.response_ids)
 
-    credit.give_back()  # one group left the buffer: exactly one more is admitted
+    assert credit.settle(next(iter(seen)), "filtered")  # one group left the buffer: exactly one more is admitted
     worker = RolloutWorker(cfg, "w-test", engine, load_tokenizer(cfg.model))
     asyncio.run(run_until(worker, lambda: full_groups() >= capacity + 1))
     assert full_groups() == capacity + 1 and credit.prompts_admitted() == capacity + 1

@@ -2,7 +2,8 @@
 
 A model of the groups (admitted, being sent, taken early, queued, gone) runs alongside the ledger
 through random interleavings of what the workers, the processor and the trainer do, duplicates
-included (a restarted processor re-settles, a restarted trainer re-takes)."""
+included (a prompt redone after its worker died, a restarted processor re-settles, a restarted trainer
+re-takes)."""
 from __future__ import annotations
 
 import collections
@@ -11,10 +12,11 @@ import random
 
 import pytest
 
-from milestream.streams.ledger import EMITTED, SENDING, SETTLED, BufferLedger, Reconciled
+from milestream.streams.ledger import (ADMITTED, COMPLETE, EMITTED, NO_CREDIT, READMITTED, SENDING, SETTLED,
+                                       BufferLedger, Reconciled)
 
-# held outside the queue: a worker polling for a prompt, in rollout, in the processor, or both
-HOLDING = ("credit", "admitted", "sending", "early")
+# held outside the queue: in rollout, in the processor, or both
+HOLDING = ("admitted", "sending", "early")
 
 
 class Model:
@@ -31,19 +33,20 @@ class Model:
     def count(self, *states: str) -> int:
         return sum(s in states for s in self.state.values())
 
-    def take_credit(self) -> None:
-        expected = self.ledger.capacity - self.count(*HOLDING, "queued") > 0
-        assert self.ledger.try_take() == expected
-        if expected:
-            self.state[f"g{next(self.ids)}#0"] = "credit"
+    def admit(self) -> None:
+        group = f"g{next(self.ids)}#0"
+        has_credit = self.ledger.capacity - self.count(*HOLDING, "queued") > 0
+        assert self.ledger.admit(group, "w") == (ADMITTED if has_credit else NO_CREDIT)
+        if has_credit:
+            self.state[group] = "admitted"
 
-    def prompt_came(self, group: str) -> None:
-        self.ledger.prompt_admitted()
-        self.state[group] = "admitted"
+    def redo(self, group: str) -> None:
+        """Its worker died: another admits the prompt again, with the credit it holds."""
+        assert self.ledger.admit(group, "w2") == READMITTED
 
-    def no_prompt_came(self, group: str) -> None:
-        self.ledger.give_back()
-        del self.state[group]
+    def redo_complete(self, group: str) -> None:
+        """A redone prompt whose group the processor already has is passed over."""
+        assert self.ledger.admit(group, "w2") == COMPLETE
 
     def begin_sending(self, group: str) -> None:
         before = self.ledger.begin_sending(group)
@@ -74,7 +77,7 @@ class Model:
         assert not self.ledger.leave(group)
 
     def step(self) -> None:
-        moves = [(self.take_credit, ()), (self.prompt_came, ("credit",)), (self.no_prompt_came, ("credit",)),
+        moves = [(self.admit, ()), (self.redo, ("admitted",)), (self.redo_complete, ("sending", "queued", "gone")),
                  (self.begin_sending, ("admitted", "sending")), (self.settle_emitted, ("sending", "early")),
                  (self.settle_dropped, ("sending", "early")), (self.settle_again, ("queued", "gone")),
                  (self.trainer_takes, ("queued", "sending")), (self.trainer_takes_again, ("early", "gone"))]
@@ -91,8 +94,8 @@ class Model:
         available, queued = self.ledger.available(), self.ledger.queued()
         assert available >= 0 and queued == self.count("queued")
         assert available + queued + self.count(*HOLDING) == self.ledger.capacity
-        # what the end of a run reports: only a worker still polling for a prompt is outside its terms
-        assert self.ledger.balance()["unaccounted"] == self.count("credit")
+        assert self.ledger.balance()["unaccounted"] == 0  # what the end of a run reports
+        assert self.ledger.in_flight().keys() == {g for g, s in self.state.items() if s in HOLDING}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -106,7 +109,7 @@ def test_credit_plus_groups_held_is_the_capacity_after_every_operation(cfg, seed
 
 def test_initialise_keeps_the_credit_of_a_running_buffer(cfg):
     ledger = BufferLedger(cfg)
-    assert ledger.available() == ledger.capacity and ledger.try_take()
+    assert ledger.available() == ledger.capacity and ledger.admit("g#0", "w") == ADMITTED
     ledger.initialise()  # a restarted stage
     assert ledger.available() == ledger.capacity - 1
 
@@ -116,8 +119,11 @@ def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups
     for group in ("early#0", "redo#0"):
         ledger.begin_sending(group)
     ledger.leave("early#0")  # taken early before the broker was lost
-    ledger.reconcile(Reconciled(credit=3, queue={"q#0": 2}, prompts_admitted=7, unsettled=("redo#0",)))
+    ledger.admit("lost#0", "w")  # admitted in the lost broker's run: the log says nothing of it
+    ledger.reconcile(Reconciled(credit=3, queue={"q#0": 2}, prompts_admitted=7, unsettled=("redo#0",),
+                                admitted=("f#0",)))
     assert ledger.available() == 3 and ledger.queued_versions() == [2] and ledger.prompts_admitted() == 7
+    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("f#0", "w") == READMITTED
     assert ledger.settlement("redo#0") is None and ledger.settlement("early#0") == SENDING
     assert ledger.leave("early#0")  # its early take was forgotten: the resumed trainer takes it again
     assert ledger.leave("q#0") and ledger.available() == 4
@@ -126,9 +132,10 @@ def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups
 def test_rebuild_writes_every_key_of_a_fresh_ledger(cfg):
     ledger = BufferLedger(cfg)
     assert ledger.capacity == 4
-    ledger.rebuild(Reconciled(credit=2, queue={"q#0": 1}, prompts_admitted=3), settled=["q#0", "gone#0"],
+    ledger.rebuild(Reconciled(credit=2, queue={"q#0": 1}, prompts_admitted=3, admitted=("f#0",)), settled=["q#0", "gone#0"],
                    totals={"groups_out": 1, "dropped_filtered": 1}, prompts_published=5)
     assert ledger.available() == 2 and ledger.queued_versions() == [1] and ledger.prompts_admitted() == 3
     assert ledger.prompts_published() == 5 and ledger.run_totals() == {"groups_out": 1, "dropped_filtered": 1}
     assert ledger.settlement("gone#0") == SETTLED and not ledger.settle("gone#0", "filtered")  # a re-read: nothing
-    assert ledger.balance()["unaccounted"] == 0  # 2 available + 1 queued + (3 admitted - 2 settled) = 4
+    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("gone#0", "w") == "complete"
+    assert ledger.balance()["unaccounted"] == 0  # 2 available + 1 queued + 1 in flight = 4

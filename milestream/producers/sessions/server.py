@@ -7,10 +7,14 @@
 
 A chat turn sends the session's exact prompt ids to the backend with the session id as the routing
 key (a cache-affine router keeps every turn of a session on one engine) and stops at the
-template's end-of-turn token. Bad requests get a 400 naming the field (``messages[3].role``).
+template's end-of-turn token. Bad requests get a 400 naming the field (``messages[3].role``); a turn
+the backend fails (an engine down behind the router) gets a 502 with the backend's error, and the
+session stays as it was before the turn. Closing a session tells a routing backend (one with
+``end_session``, as ``RouterClient``) to forget its key.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -23,6 +27,7 @@ from aiohttp import web
 
 from milestream.config import Config, RolloutConfig, import_path
 from milestream.engines.engine import Engine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.http_api import serve_app
 from milestream.producers.sessions.templates import ChatTemplate, TemplateError, chat_template
 from milestream.producers.sessions.tito import MATCH_LEVELS, MatchLevel, TokenSession
 
@@ -96,7 +101,10 @@ class SessionService:
         body = await _json_body(request)
         turn = session.begin(body.get("messages"), body.get("tools"))
         sampling = self._sampling(body.get("sampling", {}))
-        result = await self.backend.generate(list(turn.prompt_ids), sampling, session_id)
+        try:
+            result = await self.backend.generate(list(turn.prompt_ids), sampling, session_id)
+        except Exception as exc:  # noqa: BLE001 - the agent gets the backend's own words (which engine failed, why)
+            return web.json_response({"error": f"session {session_id}: generation failed: {exc}"}, status=502)
         message = session.finish(turn, result.output_ids, result.logprobs, result.versions)
         return web.json_response({
             "message": message,
@@ -113,6 +121,12 @@ class SessionService:
     async def close(self, request: web.Request) -> web.Response:
         session_id, session = self._session(request)
         del self.sessions[session_id]
+        end_session = getattr(self.backend, "end_session", None)
+        if end_session is not None:  # a router behind the backend forgets the key, so its table stays small
+            try:
+                await end_session(session_id)
+            except Exception as exc:  # noqa: BLE001 - the samples matter more; the router's LRU drops the key in time
+                log.warning("session %s closed, but the backend did not release its key: %s", session_id, exc)
         return web.json_response({"samples": [dataclasses.asdict(s) for s in session.samples()]})
 
     def _session(self, request: web.Request) -> tuple[str, TokenSession]:
@@ -169,8 +183,9 @@ def build_service(cfg: Config) -> SessionService:
 
 
 def serve_sessions(cfg: Config) -> None:
-    """``milestream sessions``: serve until SIGINT / SIGTERM."""
+    """``milestream sessions``: serve until SIGINT / SIGTERM; prints ``sessions serving http://HOST:PORT``
+    once ready (port 0: a free one)."""
     service = build_service(cfg)
-    log.info("session service on http://%s:%d (template %s, match %s)", cfg.sessions.host, cfg.sessions.port,
-             service.template.name, service.match)
-    web.run_app(service.app(), host=cfg.sessions.host, port=cfg.sessions.port, print=None)
+    log.info("session service: template %s, match %s", service.template.name, service.match)
+    close = getattr(service.backend, "close", None)
+    asyncio.run(serve_app(service.app(), cfg.sessions.host, cfg.sessions.port, name="sessions", on_stop=close))
