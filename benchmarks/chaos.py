@@ -20,14 +20,12 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
   complete_groups_without_outcome  every sample on rollout.trajectories, yet neither emitted nor dropped:
                         lost before buffer.groups (where the audit starts), or still in the processor at the end
   stalled               null, or the step after which no step came for ``--stall-s`` seconds, and the
-                        ledger's balance then; the run is then interrupted (run_exit -2)
+                        ledger's balance then; the run is then stopped (SIGTERM: run_exit -15)
   credit_leaked         buffer.unaccounted: the ledger's balance once the stages stopped (summary.json),
                         or in the stall; ``buffer``: its terms
-  in_flight_without_records  buffer.in_flight less the groups on rollout.trajectories with no outcome:
-                        admissions no group on the log accounts for. The balance counts admissions, so a
-                        credit taken again for a prompt redone after a rollout-worker kill shows here (at
-                        least: its first, half-published attempt is still a group without outcome), not in
-                        credit_leaked; groups admitted but not yet published when a run ends show here too
+  in_flight_without_records  buffer.in_flight (the ledger's admitted groups) less the groups on
+                        rollout.trajectories with no outcome: groups holding a credit of which the log
+                        shows nothing (admitted, nothing published yet, when the run stopped or stalled)
   reward_first, reward_last  mean training reward over the first and the last quarter of the steps
   max_gap_after_rollout_kill_s  the longest interval between two consecutive trainer steps that
                         overlaps [kill, kill + --window-s] of a rollout-worker kill (max_gap_after_kill_s:
@@ -43,7 +41,6 @@ import argparse
 import collections
 import json
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -143,7 +140,7 @@ class Run:
             buffer = BufferLedger(load_config(self.config_path)).balance()
             stall = {"after_step": max((s for s, _ in self.trainer_steps()), default=0),
                      "for_s": round(stalled_for, 1), "buffer": buffer, "at": time.time()}
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.terminate()  # its stages and services get SIGTERM with it (die_with_parent)
         try:
             return self.proc.wait(timeout=hang_guard_s), stall
         finally:
