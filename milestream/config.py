@@ -246,6 +246,40 @@ class TrainerConfig(Section):
     loss: str | None = None  # import path: fn(LossInput) -> LossOutput, replaces the objective
     # MoE (R3): the forward replays the expert ids the rollout engine recorded instead of its own top-k
     routing_replay: bool = True
+    # the objective's knobs (train/losses.py); each default is the plain PPO-clip of token means
+    # DAPO clip-higher: the ratio's upper bound is 1 + clip_eps_high, so unlikely tokens with a
+    # positive advantage can still grow (entropy does not collapse); None: clip_eps
+    clip_eps_high: float | None = Field(None, ge=0)
+    # dual-clip PPO: where A < 0 the per-token loss is at most -c A, so a huge ratio on a bad token
+    # cannot dominate the batch; c > 1
+    dual_clip_c: float | None = Field(None, gt=1)
+    # every log-ratio (pi/pi_old, pi_old/pi_rollout, GSPO's, pi/pi_ref) is clamped to +-this before
+    # exp, nan taken as 0: one wild log-prob gives a finite loss and gradient, not inf or nan
+    log_ratio_clamp: float = Field(20.0, gt=0)
+    # the batch loss from per-token losses: token_mean (sum / the batch's tokens), sample_mean (each
+    # sample's mean, then the mean over samples: Miles' default, every answer weighs the same), seq_sum
+    # (sum / (samples x rollout.max_new_tokens): Dr. GRPO's constant, no length bias either way)
+    loss_reduction: Literal["token_mean", "sample_mean", "seq_sum"] = "token_mean"
+    # a KL loss against the reference policy, per token (GRPO's k3 by default), unlike kl_coef's
+    # reward penalty it works with every estimator; the reference runs on trainer.backend=local
+    kl_loss_coef: float = Field(0.0, ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
+    # the loss minus coef x the policy's entropy per token, against early collapse (backend local)
+    entropy_coef: float = 0.0
+    # OPSM (DeepSeek-V3.2): a negative-advantage sequence whose rollout policy strayed from pi_old by
+    # more than delta (mean of log pi_rollout - log pi_old over its tokens) gets no policy loss; None: off
+    opsm_delta: float | None = Field(None, ge=0)
+    # grpo/gspo: False trains on the raw reward, no group baseline (rewards already centred, or plain
+    # REINFORCE); True: centred, divided by the group's std unless group_std_normalize is False
+    group_normalize: bool = True
+
+    @model_validator(mode="after")
+    def _objective_on_its_backend(self) -> "TrainerConfig":
+        # the reference policy and the full distribution at each position are the local backend's
+        for knob in ("kl_loss_coef", "entropy_coef"):
+            if getattr(self, knob) and self.backend != "local":
+                raise ValueError(f"trainer.{knob} runs on trainer.backend=local only, not {self.backend}")
+        return self
 
 
 class RunConfig(Section):

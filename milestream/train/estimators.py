@@ -5,7 +5,8 @@ prompt) and a [T] response mask; the estimators turn it into per-token advantage
 off the mask) and, where the estimator has them, returns [B, T]:
 
   grpo, gspo                    A_i = (r_i - mean_g r) / (std_g r + eps), the same on every token
-                                (gspo differs in its loss: a sequence-level ratio, see losses.py)
+                                (gspo differs in its loss: a sequence-level ratio, see losses.py);
+                                group_normalize=False: A_i = r_i
   reinforce_plus_plus           token rewards (r_i on the last response token, minus the KL
                                 penalty), discounted returns G_t = r_t + gamma G_{t+1}, whitened
   reinforce_plus_plus_baseline  r_i - mean_g r on every token (minus the KL penalty), whitened
@@ -38,6 +39,7 @@ class AdvantageInputs:
 @dataclass(frozen=True)
 class AdvantageOptions:
     whiten: bool = False
+    group_normalize: bool = True
     group_std_normalize: bool = True
     gamma: float = 1.0
     lam: float = 1.0
@@ -51,8 +53,9 @@ class Advantages:
 
 
 def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
-    return AdvantageOptions(whiten=cfg.whiten_advantages, group_std_normalize=cfg.group_std_normalize,
-                            gamma=cfg.gamma, lam=cfg.lam, kl_coef=cfg.kl_coef)
+    return AdvantageOptions(whiten=cfg.whiten_advantages, group_normalize=cfg.group_normalize,
+                            group_std_normalize=cfg.group_std_normalize, gamma=cfg.gamma, lam=cfg.lam,
+                            kl_coef=cfg.kl_coef)
 
 
 def group_normalized(rewards: Tensor, groups: Tensor, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
@@ -120,6 +123,8 @@ def next_on_mask(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def grpo(inputs: AdvantageInputs, options: AdvantageOptions) -> Advantages:
+    if not options.group_normalize:
+        return Advantages(inputs.rewards.view(-1, 1) * inputs.mask, None)
     per_sample = group_normalized(inputs.rewards, inputs.groups, options.group_std_normalize)
     return Advantages(per_sample.view(-1, 1) * inputs.mask, None)
 

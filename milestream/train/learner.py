@@ -2,8 +2,10 @@
 
     advantages  trainer.advantage_estimator over the whole batch (train/estimators.py); ppo's
                 GAE reads the value head's V before the step (a forward without gradient)
-    loss        make_loss(trainer) per prompt of each group, divided by the batch's token count
-    step        the backend's (local, FSDP2 or Megatron-core): backward, clip, AdamW
+    loss        make_loss(trainer) per prompt of each group, reduced by trainer.loss_reduction over
+                denominators of the whole batch (its tokens or its samples: losses.reduce_loss)
+    step        the backend's (local, FSDP2 or Megatron-core): backward, clip, AdamW (skipped when
+                the loss or the gradient norm is not finite: update_skipped)
 
 The trainer runs it on every rank; ``milestream replay --step N`` runs it on the logged batch.
 """
@@ -18,7 +20,7 @@ from milestream.config import Config
 from milestream.train.backends import TrainBackend, make_backend
 from milestream.train.estimators import AdvantageInputs, advantage_options, compute_advantages
 from milestream.train.logprobs import pad
-from milestream.train.losses import LossInput, make_loss
+from milestream.train.losses import Denominators, LossInput, make_loss, reduce_loss, step_figures
 from milestream.train.routing_replay import recorded_routing
 from milestream.schemas.records import GroupSample
 
@@ -39,54 +41,65 @@ class PromptRows:
     advantages: torch.Tensor  # [len(samples), longest response]
     returns: torch.Tensor | None = None  # ppo: the value targets, and V before the step
     old_values: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None  # log pi_ref (trainer.kl_coef, kl_loss_coef)
 
 
 class Learner:
     def __init__(self, cfg: Config, backend: TrainBackend | None = None):
         self.cfg = cfg
         self.backend = backend or make_backend(cfg)
-        self.loss = make_loss(cfg.trainer)
-        self.with_values = cfg.trainer.advantage_estimator == "ppo"
-        if self.with_values and not hasattr(self.backend, "logprobs_and_values"):
-            raise ValueError(f"ppo's value head runs on trainer.backend=local, not {cfg.trainer.backend}")
-        self.with_reference = bool(cfg.trainer.kl_coef)
-        if self.with_reference and not hasattr(self.backend, "reference_logprobs"):
-            raise ValueError(f"trainer.kl_coef's reference policy runs on trainer.backend=local, not {cfg.trainer.backend}")
+        trainer = cfg.trainer
+        self.loss = make_loss(trainer)
+        self.with_values = trainer.advantage_estimator == "ppo"
+        self.with_entropy = bool(trainer.entropy_coef)
+        self.with_reference = bool(trainer.kl_coef or trainer.kl_loss_coef)
+        for needed, method, why in ((self.with_values, "policy_forward", "ppo's value head"),
+                                    (self.with_entropy, "policy_forward", "trainer.entropy_coef's entropy"),
+                                    (self.with_reference, "reference_logprobs", "the reference policy of "
+                                     "trainer.kl_coef / kl_loss_coef")):
+            if needed and not hasattr(self.backend, method):
+                raise ValueError(f"{why} runs on trainer.backend=local, not {trainer.backend}")
 
     def train_step(self, batch: Sequence[CollectedGroup]) -> dict[str, float]:
         """One optimizer step over the batch; the step's figures (loss and grad norm first)."""
         samples = [s for g in batch for s in g.samples]
-        total_tokens = max(sum(sum(s.loss_mask) for s in samples), 1)
+        denominators = Denominators(tokens=sum(sum(s.loss_mask) for s in samples), samples=len(samples),
+                                    seq_sum_length=self.cfg.rollout.max_new_tokens)
         microbatches = self._microbatches(batch)
 
         def loss_fn(rows: PromptRows) -> tuple[torch.Tensor, dict[str, float]]:
-            logp, values = self._forward(rows)
+            logp, values, entropy = self._forward(rows)
             mask = pad([s.loss_mask for s in rows.samples]).to(logp.device)
             rollout_logp = pad([s.logprobs for s in rows.samples]).to(logp.device)
             width = mask.shape[1]
             advantages = rows.advantages[:, :width].to(logp.device)
-            returns, old_values = ((t[:, :width].to(logp.device) if t is not None else None)
-                                   for t in (rows.returns, rows.old_values))
+            returns, old_values, ref_logp = ((t[:, :width].to(logp.device) if t is not None else None)
+                                             for t in (rows.returns, rows.old_values, rows.ref_logp))
             out = self.loss(LossInput(logp, logp.detach(), rollout_logp, advantages, mask,  # one step: pi_old = pi
-                                      returns=returns, values=values, old_values=old_values))
-            return out.loss_sum / total_tokens, {**out.figures, "tokens": float(out.tokens)}
+                                      returns=returns, values=values, old_values=old_values, ref_logp=ref_logp,
+                                      entropy=entropy))
+            loss = reduce_loss(out, mask, self.cfg.trainer.loss_reduction, denominators)
+            return loss, {**out.figures, "tokens": float(out.tokens)}
 
         result = self.backend.step(microbatches, loss_fn, self.cfg.trainer.max_grad_norm)
         figures = dict(result.figures)
         tokens = max(figures.pop("tokens"), 1.0)
         rewards = [s.reward for s in samples]
         return {
-            "loss": result.loss, "grad_norm": result.grad_norm, "reward_mean": sum(rewards) / len(rewards),
-            **{name: total / tokens for name, total in figures.items()},  # the loss's figures, per token
+            "loss": result.loss, "grad_norm": result.grad_norm, "update_skipped": float(result.update_skipped),
+            "reward_mean": sum(rewards) / len(rewards),
+            **step_figures(figures, tokens, len(samples)),  # the loss's figures, per token (or sample)
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
 
-    def _forward(self, rows: PromptRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, rows: PromptRows) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """pi's log-probs, with gradient, and where the objective needs them V and the entropy."""
         responses = [s.response_ids for s in rows.samples]
         replay = self._routing(rows.samples)
-        if self.with_values:
-            return self.backend.logprobs_and_values(rows.prompt_ids, responses, self.cfg.rollout.temperature, **replay)
-        return self.backend.logprobs(rows.prompt_ids, responses, self.cfg.rollout.temperature, **replay), None
+        if self.with_values or self.with_entropy:
+            return self.backend.policy_forward(rows.prompt_ids, responses, self.cfg.rollout.temperature,
+                                               values=self.with_values, entropy=self.with_entropy, **replay)
+        return self.backend.logprobs(rows.prompt_ids, responses, self.cfg.rollout.temperature, **replay), None, None
 
     def _routing(self, samples: Sequence[GroupSample]) -> dict[str, Any]:
         """The backend's ``routing`` argument when the samples' recorded MoE routing is replayed."""
@@ -98,19 +111,21 @@ class Learner:
         parts = [(prompt_ids, rows) for g in batch for prompt_ids, rows in by_prompt(g.samples)]
         samples = [s for _, rows in parts for s in rows]
         group_of = {id(s): i for i, g in enumerate(batch) for s in g.samples}
+        reference = self._reference_logprobs(parts) if self.with_reference else None
         inputs = AdvantageInputs(torch.tensor([s.reward for s in samples]),
                                  torch.tensor([group_of[id(s)] for s in samples]),
                                  pad([s.loss_mask for s in samples]),
                                  # the KL penalty compares the policy that sampled with the reference
                                  old_logp=pad([s.logprobs for s in samples]) if self.with_reference else None,
-                                 ref_logp=self._reference_logprobs(parts) if self.with_reference else None,
+                                 ref_logp=reference,
                                  values=self._values_before_step(parts) if self.with_values else None)
         result = compute_advantages(self.cfg.trainer.advantage_estimator, inputs, advantage_options(self.cfg.trainer))
         sizes = [len(rows) for _, rows in parts]
         split = lambda t: t.split(sizes) if t is not None else [None] * len(parts)  # noqa: E731
-        return [PromptRows(prompt_ids, rows, advantages, returns, old_values)
-                for (prompt_ids, rows), advantages, returns, old_values
-                in zip(parts, result.advantages.split(sizes), split(result.returns), split(inputs.values))]
+        return [PromptRows(prompt_ids, rows, advantages, returns, old_values, ref_logp)
+                for (prompt_ids, rows), advantages, returns, old_values, ref_logp
+                in zip(parts, result.advantages.split(sizes), split(result.returns), split(inputs.values),
+                       split(reference))]
 
     def _reference_logprobs(self, parts: list[tuple[list[int], list[GroupSample]]]) -> torch.Tensor:
         rows = [r for prompt_ids, samples in parts
@@ -122,9 +137,9 @@ class Learner:
         """V of every response token under the current value head, [samples, longest response]."""
         with torch.no_grad():
             rows = [v for prompt_ids, samples in parts
-                    for v in self.backend.logprobs_and_values(prompt_ids, [s.response_ids for s in samples],
-                                                              self.cfg.rollout.temperature,
-                                                              **self._routing(samples))[1].cpu()]
+                    for v in self.backend.policy_forward(prompt_ids, [s.response_ids for s in samples],
+                                                         self.cfg.rollout.temperature, values=True,
+                                                         **self._routing(samples))[1].cpu()]
         return _stack_padded(rows)
 
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -7,12 +7,18 @@ plain forward up to float rounding.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from milestream.train.tensor_ops import token_logprobs
+from milestream.train.tensor_ops import token_logprobs, token_logprobs_and_entropy
+
+
+class Forward(NamedTuple):
+    logp: Tensor  # [G, T] log-prob of each response token
+    hidden: Tensor | None  # [G, T, H] the last hidden state that predicted it (hidden=True)
+    entropy: Tensor | None  # [G, T] the entropy of the distribution it was drawn from (entropy=True)
 
 
 def pad(rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32) -> Tensor:
@@ -30,9 +36,10 @@ def shared_prompt_logprobs(model: nn.Module, prompt_ids: Sequence[int], response
 
 
 def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
-                          temperature: float = 1.0, hidden: bool = False) -> tuple[Tensor, Tensor | None]:
-    """The log-probs, and with ``hidden`` the last hidden state [G, T, H] that predicted each response
-    token (what a value head reads: the state before the token was chosen)."""
+                          temperature: float = 1.0, hidden: bool = False, entropy: bool = False) -> Forward:
+    """The log-probs, with ``hidden`` the last hidden state [G, T, H] that predicted each response
+    token (what a value head reads: the state before the token was chosen), with ``entropy`` the
+    entropy of the tempered distribution at each response position."""
     prompt = torch.tensor([list(prompt_ids)])
     first = model(input_ids=prompt, use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
     group = len(responses)
@@ -49,5 +56,9 @@ def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses
         logits = torch.cat([logits, rest.logits], dim=1)
         if hidden:
             states = torch.cat([states, rest.hidden_states[-1]], dim=1)
-    return token_logprobs(logits / max(temperature, 1e-6), tokens), states
+    logits = logits / max(temperature, 1e-6)
+    if entropy:
+        logp, entropies = token_logprobs_and_entropy(logits, tokens)
+        return Forward(logp, states, entropies)
+    return Forward(token_logprobs(logits, tokens), states, None)
 

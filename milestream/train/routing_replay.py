@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from milestream.config import TrainerConfig
-from milestream.train.logprobs import shared_prompt_forward
+from milestream.train.logprobs import Forward, shared_prompt_forward
 from milestream.engines.moe_routing import routers
 from milestream.schemas.records import GroupSample
 from milestream.schemas.routing import expert_ids
@@ -85,7 +85,7 @@ def _replay_hook(queue: deque[Tensor]):
 
 def replayed_forward(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
                      routing: Sequence[np.ndarray], temperature: float = 1.0,
-                     hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+                     hidden: bool = False, entropy: bool = False) -> Forward:
     """``shared_prompt_forward`` routed as recorded. Samples whose prompts were routed alike share
     one prompt pass; one whose prompt was routed otherwise (prefilled in another batch, or again
     after a weight update) gets its own, so every sample replays exactly what it recorded."""
@@ -94,16 +94,22 @@ def replayed_forward(model: nn.Module, prompt_ids: Sequence[int], responses: Seq
     for index, ids in enumerate(routing):
         subsets.setdefault(ids[:prompt_len].tobytes(), []).append(index)
     longest = max(len(r) for r in responses)
-    order, logps, states = [], [], []
+    order, parts = [], []
     for rows in subsets.values():
         with replaying(model, _calls(prompt_len, [routing[i] for i in rows], [len(responses[i]) for i in rows])):
-            logp, state = shared_prompt_forward(model, prompt_ids, [responses[i] for i in rows], temperature, hidden)
+            part = shared_prompt_forward(model, prompt_ids, [responses[i] for i in rows], temperature, hidden, entropy)
         order += rows
-        logps.append(nn.functional.pad(logp, (0, longest - logp.shape[1])))
-        if hidden:
-            states.append(nn.functional.pad(state, (0, 0, 0, longest - state.shape[1])))
+        parts.append(part)
     inverse = torch.tensor(np.argsort(order))
-    return torch.cat(logps)[inverse], torch.cat(states)[inverse] if hidden else None
+
+    def joined(tensors: list[Tensor | None]) -> Tensor | None:
+        """The subsets' rows, right-padded to the longest response, back in the samples' order."""
+        if tensors[0] is None:
+            return None
+        padding = [(0, 0) * (t.dim() - 2) + (0, longest - t.shape[1]) for t in tensors]
+        return torch.cat([nn.functional.pad(t, pad) for t, pad in zip(tensors, padding)])[inverse]
+
+    return Forward(*(joined([getattr(part, field) for part in parts]) for field in Forward._fields))
 
 
 def _calls(prompt_len: int, routing: Sequence[np.ndarray], lengths: Sequence[int]) -> list[np.ndarray]:

@@ -19,3 +19,14 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """log softmax(logits)[target] for each position, computed in fp32."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``token_logprobs`` and the entropy -sum_v p log p of each position's distribution, in fp32.
+
+    log p is floored at -1e4 inside the product: where p is 0 (a logit of -inf) p log p is 0 and so
+    is its gradient, where 0 * -inf would give nan. No p of fp32 is nonzero below e^-104.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp.clamp(min=-1e4)).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy

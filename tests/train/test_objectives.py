@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from milestream.config import TrainerConfig
-from milestream.train.losses import (ActorCriticLoss, LossInput, PolicyLoss, ValueHead, ValueLoss, make_loss,
-                                     mismatch_figures, supervised_loss)
+from milestream.train.losses import (ActorCriticLoss, LossInput, PolicyLoss, ValueHead, ValueLoss, log_ratio,
+                                     make_loss, mismatch_figures, supervised_loss)
 from milestream.train.tensor_ops import token_logprobs
 
 PLUGINS = str(Path(__file__).parents[1] / "plugins")
@@ -64,7 +64,8 @@ def test_no_correction_weighs_every_token_one():
 
 def test_mismatch_figures_by_hand():
     mask = torch.ones(1, 3)
-    figures = mismatch_figures(torch.tensor([MISMATCHED["logp"]]), torch.tensor([MISMATCHED["rollout"]]), mask)
+    log_weight = log_ratio(torch.tensor([MISMATCHED["logp"]]), torch.tensor([MISMATCHED["rollout"]]), 20.0)
+    figures = mismatch_figures(log_weight, mask)
     # log w = [0, 1, -1]: |log w| sums to 2, k1 = sum(-log w) = 0
     assert figures["logprob_diff"] == 2.0 and figures["kl_rollout_train"] == 0.0
     # k3 = w - 1 - log w: 0 + (e - 1 - 1) + (1/e - 1 + 1)

@@ -24,13 +24,16 @@ How a distributed trainer uses it (every rank runs the same program, launched by
             publish(weights, result)                 # only rank 0 writes to Kafka and disk
 
 The loss convention is the single-process one: ``loss_fn`` returns its microbatch's share of the
-batch loss, already divided by the token count of the whole batch, so the batch loss is the sum
+batch loss, already divided by a denominator of the whole batch (its token count by default; its
+samples for the other reductions of train/losses.py, reduce_loss), so the batch loss is the sum
 over microbatches. Each backend hands every data-parallel rank its share of the microbatches and
 sums (never averages) gradients across ranks, so N ranks take the update one process would take
 over the whole batch.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -44,6 +47,8 @@ from torch import Tensor, nn
 from milestream.config import Config, ModelConfig
 from milestream.infra.model import compute_dtype
 
+log = logging.getLogger(__name__)
+
 Microbatch = TypeVar("Microbatch")
 LossFn = Callable[[Microbatch], tuple[Tensor, Mapping[str, float]]]
 
@@ -53,6 +58,7 @@ class StepResult:
     loss: float  # the batch loss: the sum of loss_fn over every microbatch, on every rank
     grad_norm: float  # total gradient norm before clipping
     figures: dict[str, float]  # loss_fn's figures summed over every microbatch, on every rank
+    update_skipped: bool = False  # the loss or grad norm was not finite: no step (``apply_update``)
 
 
 class TrainBackend(Protocol):
@@ -71,7 +77,8 @@ class TrainBackend(Protocol):
 
     def step(self, microbatches: Sequence[Microbatch], loss_fn: LossFn, max_grad_norm: float) -> StepResult:
         """One optimizer step over the batch: zero grads, backward through this rank's share of
-        ``microbatches``, reduce, clip to ``max_grad_norm``, step.
+        ``microbatches``, reduce, clip to ``max_grad_norm``, step (``apply_update``: none when the loss or
+        the gradient norm is not finite).
 
         ``loss_fn(microbatch)`` calls ``logprobs`` and returns (its share of the batch loss,
         {figure: float} to sum over the batch); every call returns the same figure names, and
@@ -199,9 +206,34 @@ def clip_by_total_norm(grads: Sequence[Tensor], counted: Sequence[Tensor], max_n
     return float(norm)
 
 
-def step_result(totals: Mapping[str, float], grad_norm: float) -> StepResult:
+def apply_update(optimizer: torch.optim.Optimizer, totals: Mapping[str, float], grad_norm: float) -> StepResult:
+    """Step ``optimizer`` unless the batch's loss or gradient norm is not finite; the step's result.
+
+    ``totals`` (with "loss") and ``grad_norm`` are the whole batch's, already reduced across ranks.
+    A skipped update drops the gradients and leaves the weights and the optimizer state as they were:
+    one poisoned batch (a nan reward, an overflow) would otherwise write nan into every weight and
+    into Adam's moments for good. Every rank takes the same decision (one all-reduce of the verdict).
+    """
     figures = dict(totals)
-    return StepResult(loss=figures.pop("loss"), grad_norm=grad_norm, figures=figures)
+    loss = figures.pop("loss")
+    skipped = _any_rank(not (math.isfinite(loss) and math.isfinite(grad_norm)))
+    if skipped:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("update skipped: loss %s, grad norm %s (not finite); the weights stay as they were",
+                        loss, grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    return StepResult(loss=loss, grad_norm=grad_norm, figures=figures, update_skipped=skipped)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the world (every rank gets the same answer)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    verdict = torch.tensor([float(flag)], device=_collective_device(None))
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    return bool(verdict.item())
 
 
 @contextmanager

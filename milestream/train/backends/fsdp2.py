@@ -24,9 +24,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from milestream.config import Config
-from milestream.train.backends.base import (LossFn, Microbatch, StepResult, backward_share, clip_by_total_norm,
-                                            compute_context, init_distributed, load_optimizer_state_by_name,
-                                            optimizer_state_by_name, step_result, sum_across_ranks,
+from milestream.train.backends.base import (LossFn, Microbatch, StepResult, apply_update, backward_share,
+                                            clip_by_total_norm, compute_context, init_distributed,
+                                            load_optimizer_state_by_name, optimizer_state_by_name, sum_across_ranks,
                                             trainable_named_parameters)
 from milestream.train.logprobs import shared_prompt_logprobs
 from milestream.infra.model import load_model
@@ -60,8 +60,7 @@ class FSDP2Backend:
         totals = backward_share(microbatches, loss_fn, self.rank, self.world_size, self._sync_only_if_last)
         grads = [param.grad for param in self.params.values() if param.grad is not None]
         grad_norm = clip_by_total_norm(grads, [grad.to_local() for grad in grads], max_grad_norm, dist.group.WORLD)
-        self.optimizer.step()
-        return step_result(sum_across_ranks(totals), grad_norm)
+        return apply_update(self.optimizer, sum_across_ranks(totals), grad_norm)
 
     def export_weights(self) -> dict[str, Tensor]:
         return {name: _full(param.detach()) for name, param in self.params.items()}

@@ -2,9 +2,10 @@
 
 With ``trainer.advantage_estimator: ppo`` it also trains a value head (a linear layer on the last
 hidden state; train/losses.py) with the same optimizer. It travels in the checkpoint, not in
-the exported weights: the engines never need it. With ``trainer.kl_coef`` it gives the reference
-policy's log-probs: the base model with the LoRA adapters switched off, or (full fine-tuning) a
-frozen copy of the initial weights.
+the exported weights: the engines never need it. With ``trainer.kl_coef`` or ``kl_loss_coef`` it
+gives the reference policy's log-probs: the base model with the LoRA adapters switched off, or
+(full fine-tuning) a frozen copy of the initial weights. With ``trainer.entropy_coef`` its forward
+also gives the policy's entropy at each position (from the same logits).
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import torch
 from torch import Tensor
 
 from milestream.config import Config
-from milestream.train.backends.base import (LossFn, Microbatch, StepResult, backward_share, clip_by_total_norm,
-                                            compute_context, load_optimizer_state_by_name,
-                                            optimizer_state_by_name, step_result, trainable_named_parameters)
+from milestream.train.backends.base import (LossFn, Microbatch, StepResult, apply_update, backward_share,
+                                            clip_by_total_norm, compute_context, load_optimizer_state_by_name,
+                                            optimizer_state_by_name, trainable_named_parameters)
 from milestream.train.logprobs import shared_prompt_forward
 from milestream.train.losses import ValueHead
 from milestream.train.routing_replay import replayed_forward
@@ -44,7 +45,7 @@ class LocalBackend:
                 self.value_head = ValueHead(self.model.config.hidden_size).to(device)
             self.params.update({f"{VALUE_HEAD}.{n}": p for n, p in self.value_head.named_parameters()})
         self.reference = None
-        if cfg.trainer.kl_coef and not cfg.model.lora_rank:
+        if (cfg.trainer.kl_coef or cfg.trainer.kl_loss_coef) and not cfg.model.lora_rank:
             self.reference = load_model(cfg.model, dtype=torch.float32).to(device).requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
@@ -52,23 +53,21 @@ class LocalBackend:
     def logprobs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float,
                  routing: Sequence[np.ndarray] | None = None) -> Tensor:
         """``routing``: each response's recorded MoE expert ids to replay (train/routing_replay.py)."""
-        with compute_context(self.cfg.model, self.device):
-            return self._policy_forward(prompt_ids, responses, temperature, routing, hidden=False)[0]
+        return self.policy_forward(prompt_ids, responses, temperature, routing)[0]
 
-    def logprobs_and_values(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
-                            temperature: float, routing: Sequence[np.ndarray] | None = None) -> tuple[Tensor, Tensor]:
-        """The log-probs and the value head's V [G, T] of the state before each response token."""
-        if self.value_head is None:
+    def policy_forward(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float,
+                       routing: Sequence[np.ndarray] | None = None, values: bool = False,
+                       entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The log-probs; with ``values`` the value head's V [G, T] of the state before each response
+        token; with ``entropy`` the policy's entropy [G, T] at each response position."""
+        if values and self.value_head is None:
             raise ValueError("values need the value head: trainer.advantage_estimator=ppo")
         with compute_context(self.cfg.model, self.device):
-            logp, hidden = self._policy_forward(prompt_ids, responses, temperature, routing, hidden=True)
-            return logp, self.value_head(hidden.float())
-
-    def _policy_forward(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], temperature: float,
-                        routing: Sequence[np.ndarray] | None, hidden: bool) -> tuple[Tensor, Tensor | None]:
-        if routing is None:
-            return shared_prompt_forward(self.model, prompt_ids, responses, temperature, hidden=hidden)
-        return replayed_forward(self.model, prompt_ids, responses, routing, temperature, hidden=hidden)
+            if routing is None:
+                out = shared_prompt_forward(self.model, prompt_ids, responses, temperature, values, entropy)
+            else:
+                out = replayed_forward(self.model, prompt_ids, responses, routing, temperature, values, entropy)
+            return out.logp, self.value_head(out.hidden.float()) if values else None, out.entropy
 
     def reference_logprobs(self, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
                            temperature: float) -> Tensor:
@@ -84,8 +83,7 @@ class LocalBackend:
         totals = backward_share(microbatches, loss_fn, rank=0, world_size=1)
         grads = [param.grad for param in self.params.values() if param.grad is not None]
         grad_norm = clip_by_total_norm(grads, grads, max_grad_norm)
-        self.optimizer.step()
-        return step_result(totals, grad_norm)
+        return apply_update(self.optimizer, totals, grad_norm)
 
     def export_weights(self) -> dict[str, Tensor]:
         return trainable_state_dict(self.model)

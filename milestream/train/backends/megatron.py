@@ -39,9 +39,9 @@ with warnings.catch_warnings():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 from milestream.config import Config
-from milestream.train.backends.base import (LossFn, Microbatch, StepResult, backward_share, clip_by_total_norm,
-                                            compute_context, init_distributed, load_optimizer_state_by_name,
-                                            optimizer_state_by_name, step_result, sum_across_ranks)
+from milestream.train.backends.base import (LossFn, Microbatch, StepResult, apply_update, backward_share,
+                                            clip_by_total_norm, compute_context, init_distributed,
+                                            load_optimizer_state_by_name, optimizer_state_by_name, sum_across_ranks)
 from milestream.train.backends.megatron_weights import (LlamaShape, hf_sources, hf_to_megatron, megatron_to_hf,
                                                         require_supported)
 from milestream.train.logprobs import pad
@@ -91,8 +91,7 @@ class MegatronBackend:
         counted = [grad for grad, param in zip(grads, self.params.values())
                    if tensor_parallel.param_is_not_tensor_parallel_duplicate(param)]
         grad_norm = clip_by_total_norm(grads, counted, max_grad_norm, self.tp_group)
-        self.optimizer.step()
-        return step_result(sum_across_ranks(totals, self.dp_group), grad_norm)
+        return apply_update(self.optimizer, sum_across_ranks(totals, self.dp_group), grad_norm)
 
     def export_weights(self) -> dict[str, Tensor]:
         return megatron_to_hf(self._gather({name: param.detach() for name, param in self.params.items()}), self.shape)
