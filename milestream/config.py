@@ -246,7 +246,7 @@ class TrainerConfig(Section):
     loss: str | None = None  # import path: fn(LossInput) -> LossOutput, replaces the objective
     # MoE (R3): the forward replays the expert ids the rollout engine recorded instead of its own top-k
     routing_replay: bool = True
-    # the objective's knobs (train/losses.py); each default is the plain PPO-clip of token means
+    # the objective's knobs (train/losses.py); every default is off: PPO-clip, token mean, no KL loss or entropy
     # DAPO clip-higher: the ratio's upper bound is 1 + clip_eps_high, so unlikely tokens with a
     # positive advantage can still grow (entropy does not collapse); None: clip_eps
     clip_eps_high: float | None = Field(None, ge=0)

@@ -10,9 +10,12 @@ FSDP2 matches bit for bit while every rank backpropagates at most one group per 
 gradient is then g1 + g2 in both. With two groups on one rank FSDP2 accumulates the two
 forwards of the shared-prompt pass one at a time ((a1 + b1) + a2) + b2 where one process sums
 (a1 + b1) + (a2 + b2): the last step differs in the last bits, within FSDP2_ATOL.
+
+A second entry point (``poisoned_step``) gives one rank an infinite loss: every rank must skip the update.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -72,12 +75,7 @@ def train_fixed_batches(cfg: Config) -> None:
         batch = fixed_batch(index)
         total_tokens = sum(float(group.mask.sum()) for group in batch)
 
-        def loss_fn(group: Group):
-            logp = backend.logprobs(group.prompt_ids, group.responses, TEMPERATURE)
-            mask, advantages = group.mask.to(logp.device), group.advantages.to(logp.device)
-            return -(advantages[:, None] * logp * mask).sum() / total_tokens, {"tokens": float(mask.sum())}
-
-        return backend.step(batch, loss_fn, cfg.trainer.max_grad_norm)
+        return backend.step(batch, lambda group: group_loss(backend, group, total_tokens), cfg.trainer.max_grad_norm)
 
     results = [step(index) for index in range(len(GROUPS_PER_STEP) - 1)]
     midway = backend.state_dict()
@@ -91,6 +89,32 @@ def train_fixed_batches(cfg: Config) -> None:
                     "replayed_weights": replayed_weights}, Path(cfg.run.run_dir) / "result.pt")
 
 
+def group_loss(backend, group: Group, total_tokens: float) -> tuple[torch.Tensor, dict[str, float]]:
+    logp = backend.logprobs(group.prompt_ids, group.responses, TEMPERATURE)
+    mask, advantages = group.mask.to(logp.device), group.advantages.to(logp.device)
+    return -(advantages[:, None] * logp * mask).sum() / total_tokens, {"tokens": float(mask.sum())}
+
+
+def poisoned_step(cfg: Config) -> None:
+    """One step of two groups whose second one's loss is +inf with a finite gradient: on FSDP2 only
+    rank 1 sees it. Every rank writes whether it skipped and whether its weights stayed."""
+    configure_process(cfg.model)
+    backend = make_backend(cfg)
+    batch = fixed_batch(0)
+    total_tokens = sum(float(group.mask.sum()) for group in batch)
+    before = {name: tensor.clone() for name, tensor in backend.export_weights().items()}
+
+    def loss_fn(group: Group):
+        loss, figures = group_loss(backend, group, total_tokens)
+        return (loss + math.inf if group is batch[1] else loss), figures
+
+    result = backend.step(batch, loss_fn, cfg.trainer.max_grad_norm)
+    after = backend.export_weights()
+    unchanged = all(torch.equal(before[name], after[name]) for name in before)
+    torch.save({"skipped": result.update_skipped, "loss": result.loss, "unchanged": unchanged},
+               Path(cfg.run.run_dir) / f"poisoned-{backend.rank}.pt")
+
+
 def config(tmp: Path, backend: str, lora_rank: int = 0) -> Config:
     return Config().with_overrides(
         model={"name": "tiny-random", "dtype": "float32", "lora_rank": lora_rank, "seed": 3},
@@ -99,13 +123,18 @@ def config(tmp: Path, backend: str, lora_rank: int = 0) -> Config:
     )
 
 
-def run(tmp: Path, backend: str, lora_rank: int = 0) -> dict:
+def launched(tmp: Path, backend: str, entry: str, lora_rank: int = 0) -> Path:
+    """The run folder of ``entry`` run on two ranks of ``backend``."""
     cfg = config(tmp, backend, lora_rank)
     cfg.run_path.mkdir(parents=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(Path(__file__).parent), prepend=os.pathsep)
-        launch(cfg, ENTRY, nproc=2, timeout_s=300)
-    return torch.load(Path(cfg.run.run_dir) / "result.pt", weights_only=False)
+        launch(cfg, entry, nproc=2, timeout_s=300)
+    return cfg.run_path
+
+
+def run(tmp: Path, backend: str, lora_rank: int = 0) -> dict:
+    return torch.load(launched(tmp, backend, ENTRY, lora_rank) / "result.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +190,16 @@ def test_megatron_tensor_parallel_two_matches_the_reference(reference, tmp_path)
     assert _relative_error(_moments(megatron["midway"]), _moments(reference["midway"])) < MEGATRON_TENSOR_RTOL
     assert megatron["replayed"] == megatron["results"][-1]
     assert _max_difference(megatron["replayed_weights"], megatron["weights"]) == 0.0
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_a_non_finite_loss_on_one_rank_skips_the_update_on_every_rank(backend, tmp_path):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    folder = launched(tmp_path, backend, f"{__name__}:poisoned_step")
+    for rank in range(2):
+        result = torch.load(folder / f"poisoned-{rank}.pt", weights_only=False)
+        assert result == {"skipped": True, "loss": math.inf, "unchanged": True}, rank
 
 
 def test_megatron_refuses_lora():
