@@ -172,7 +172,7 @@ class PolicyLoss:
         log_weight = log_ratio(batch.old_logp, batch.rollout_logp, clamp)
         weight, corrected = rollout_correction(log_weight, self.correction, self.interval)
         keep = opsm_keep(batch.advantages, log_weight, mask, self.opsm_delta)
-        rows = (per_token * weight * keep * mask).sum(-1)
+        token_losses = per_token * weight * keep * mask
         active = mask.bool()
         with torch.no_grad():
             figures = {
@@ -186,7 +186,7 @@ class PolicyLoss:
                 figures["ppo_dual_clip_frac"] = float(dual[active].sum())
             if self.opsm_delta is not None:
                 figures["opsm_masked_frac"] = float((keep == 0).sum())  # sequences: a PER_SAMPLE_FIGURE
-        return LossOutput(rows.sum(), int(mask.sum()), figures, rows)
+        return LossOutput(token_losses.sum(), int(mask.sum()), figures, token_losses.sum(-1))
 
 
 @dataclass(frozen=True)
@@ -203,10 +203,10 @@ class ValueLoss:
         unclipped = (batch.values - batch.returns) ** 2
         clipped = (clipped_values - batch.returns) ** 2
         per_token = 0.5 * torch.maximum(unclipped, clipped)
-        rows = (per_token * mask).sum(-1)
-        loss_sum = rows.sum()
+        token_losses = per_token * mask
+        loss_sum = token_losses.sum()
         figures = {"value_loss": loss_sum.item(), "value_clip_frac": float((clipped > unclipped)[mask.bool()].sum())}
-        return LossOutput(loss_sum, int(mask.sum()), figures, rows)
+        return LossOutput(loss_sum, int(mask.sum()), figures, token_losses.sum(-1))
 
 
 @dataclass(frozen=True)
@@ -226,9 +226,9 @@ class ActorCriticLoss:
 def supervised_loss(batch: LossInput) -> LossOutput:
     """Negative log-likelihood of the masked tokens (SFT): -sum log pi."""
     mask = batch.mask.to(batch.logp.dtype)
-    rows = -(batch.logp * mask).sum(-1)
-    loss_sum = rows.sum()
-    return LossOutput(loss_sum, int(mask.sum()), {"nll_mean": loss_sum.item()}, rows)
+    token_losses = -(batch.logp * mask)
+    loss_sum = token_losses.sum()
+    return LossOutput(loss_sum, int(mask.sum()), {"nll_mean": loss_sum.item()}, token_losses.sum(-1))
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLType, clamp: float = LOG_RATIO_CLAMP) -> Tensor:
