@@ -162,6 +162,7 @@ class CpuEngine:
         self._version = initial_version
         self._inflight = inflight
         self.update_pause_s = 0.0  # how long the last weight update held generation still
+        self.busy_s = 0.0  # time spent in prefill and decode steps (the generation utilisation's numerator)
         self._pending: deque[_Row] = deque()
         self._cond = threading.Condition()  # guards _pending, _paused, _closed, _stepping
         self._step_lock = threading.Lock()  # a step and a weight update never overlap
@@ -245,6 +246,7 @@ class CpuEngine:
 
     def _run(self) -> None:
         while (admitted := self._next_admission()) is not None:
+            started = time.perf_counter()
             try:
                 with self._step_lock, torch.inference_mode():
                     self._step(admitted)
@@ -253,6 +255,7 @@ class CpuEngine:
                     row.fail(exc)
                 self._batch = None
             finally:
+                self.busy_s += time.perf_counter() - started
                 with self._cond:
                     self._stepping = False
                     self._cond.notify_all()

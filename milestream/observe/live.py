@@ -39,7 +39,7 @@ def trainer_rows(series: RunSeries, cfg: Config) -> list[tuple[str, str]]:
         ("reward", f"{_fmt(last.get('reward_mean'))} last step, {recent:.3f} mean of the last "
                    f"{min(len(steps), RECENT_STEPS)}"),
         ("staleness", f"mean {_fmt(last.get('staleness_mean'), '.2f')}  max {_fmt(last.get('staleness_max'), '.0f')} "
-                      f"(bound {cfg.buffer.max_staleness})"),
+                      f"(bound {cfg.staleness_bound}, {cfg.run.schedule})"),
         ("throughput", f"{throughput[-1][1]:.0f} trained tokens/s" if throughput else NONE),
     ]
 

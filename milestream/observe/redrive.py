@@ -2,8 +2,8 @@
 
 Processor: the logged rollout records (``rollout.trajectories``, ``rollout.logprobs``,
 ``rollout.routing``) go through the broker-free group assembly and arrival drop rules of
-``streams/groups.py``, with the run's ``buffer.filter`` and ``buffer.max_staleness``, in broker
-timestamp order, interleaved with ``weights.versions`` (the newest version seen decides the stale
+``streams/groups.py``, with the run's ``buffer.filter`` and staleness bound (``cfg.staleness_bound``), in
+broker timestamp order, interleaved with ``weights.versions`` (the newest version seen decides the stale
 pre-drop, as in the live processor). Each group's offline outcome is compared with the logged one:
 ``emitted`` (on ``buffer.groups``; its samples must then be identical to the logged ones) or the
 reason of a ``buffer.dropped`` record written by the processor. The live processor expires a group
@@ -94,7 +94,7 @@ def logged_outcomes(source: LogSource) -> tuple[dict[str, str], dict[str, list[G
 
 
 def redrive_processor(cfg: Config, source: LogSource) -> ProcessorRedrive:
-    assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.buffer.max_staleness)
+    assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound)
     offline: dict[str, str] = {}
     samples: dict[str, list[GroupSample]] = {}
     rejected: list[str] = []

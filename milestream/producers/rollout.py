@@ -170,10 +170,12 @@ async def _indexed(index: int, sample: Awaitable[Sample]) -> tuple[int, Sample]:
 
 # ---- generate functions ----------------------------------------------------------------------------
 
-async def single_turn(ctx: RolloutContext, prompt: Prompt, request_id: str) -> Sample:
-    """The prompt's chat messages (system prompt first), the pre-filled assistant turn, and one completion."""
+async def single_turn(ctx: RolloutContext, prompt: Prompt, request_id: str,
+                      sampling: SamplingParams | None = None) -> Sample:
+    """The prompt's chat messages (system prompt first), the pre-filled assistant turn, and one completion
+    (with ``sampling``, for a generate function that picks it per sample; default ``ctx.sampling``)."""
     input_ids = chat_input_ids(ctx.tokenizer, prompt_messages(ctx.cfg, prompt), ctx.cfg.data.assistant_prefill)
-    result = await ctx.engine.generate(GenerateRequest(request_id, tuple(input_ids), ctx.sampling))
+    result = await ctx.engine.generate(GenerateRequest(request_id, tuple(input_ids), sampling or ctx.sampling))
     text = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     n = len(result.output_ids)
     return Sample(input_ids, list(result.output_ids), [1] * n, list(result.logprobs), list(result.versions),

@@ -44,7 +44,7 @@ from milestream.schemas.codec import Position
 from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
 from milestream.streams import weights
 from milestream.streams.weights import verify
-from milestream.streams.ledger import COMPLETE, NO_CREDIT, READMITTED, BufferLedger
+from milestream.streams.ledger import BEHIND, COMPLETE, NO_CREDIT, READMITTED, BufferLedger
 
 log = logging.getLogger(__name__)
 STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -182,7 +182,8 @@ class RolloutWorker:
         self.tasks: set[asyncio.Task] = set()
         self.hook = hook or NoHook()
         self.samples_done = 0
-        self.stalled_s = 0.0
+        self.stalled_s = 0.0  # waiting for buffer credit
+        self.behind_s = 0.0  # waiting for a newer weight version (run.schedule sync, one_step)
         self.errors = ErrorWindow(cfg.rollout.max_errors, cfg.rollout.error_window_s)
         self.gave_up = ""  # why the worker stopped itself, if it did
         self._stop = asyncio.Event()
@@ -235,10 +236,16 @@ class RolloutWorker:
             return Group(GroupTask(prompt, self.cfg.rollout.group_size), position)
 
     async def _admission(self, group_id: str) -> str:
-        while (admission := self.ledger.admit(group_id, self.worker_id)) == NO_CREDIT:
+        """Waits while there is no credit, or (run.schedule sync, one_step) while this engine is older than
+        the version the trainer asks the next batch of."""
+        while (admission := self.ledger.admit(group_id, self.worker_id, self.engine.version)) in (NO_CREDIT, BEHIND):
             started = time.monotonic()
-            await asyncio.sleep(0.1)
-            self.stalled_s += time.monotonic() - started
+            await asyncio.sleep(0.1 if admission == NO_CREDIT else 0.02)
+            waited = time.monotonic() - started
+            if admission == NO_CREDIT:
+                self.stalled_s += waited
+            else:
+                self.behind_s += waited
         return admission
 
     def _prompt_done(self, position: Position) -> None:
@@ -397,8 +404,10 @@ class RolloutWorker:
             elapsed = time.monotonic() - started
             values = {"samples": float(self.samples_done), "samples_per_s": self.samples_done / elapsed,
                       "inflight": float(len(self.tasks)), "stalled_s": self.stalled_s,
+                      "behind_s": self.behind_s,
                       "engine_version": float(self.engine.version),
                       "update_pause_s": float(getattr(self.engine, "update_pause_s", 0.0)),
+                      "engine_busy_s": float(getattr(self.engine, "busy_s", 0.0)),  # CpuEngine
                       "failed_groups": float(self.errors.total), "failed_groups_in_window": float(len(self.errors.times)),
                       **self.ctx.reward_figures.take()}
             self.producer.send(topics.METRICS, [Metrics(f"rollout/{self.worker_id}", int(elapsed), time.time(), values)])

@@ -23,6 +23,9 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
   the broker's delivery report); such a group is noted, and settling it gives its credit back
   instead of queuing it. Either way, and however often the trainer takes it, the credit comes back once.
 - the prompt feeder's position: prompts published, and prompts admitted by the workers.
+- the version floor (``run.schedule`` sync and one_step): the oldest weight version an engine may hold to
+  admit a prompt. The trainer raises it before it gives a batch's credit back, so the credit it frees
+  admits only prompts that a version new enough will generate.
 
 A resumed run finds these keys as the stopped run left them; ``reconcile`` rewrites them from the log
 after the broker was lost, ``rebuild`` writes them all on a fresh Redis after Redis was lost
@@ -40,11 +43,13 @@ from milestream.config import Config
 SENDING, SETTLED = "sending", "settled"
 EMITTED = "emitted"  # a settlement's outcome; any other outcome is a drop reason
 
-ADMITTED, READMITTED, COMPLETE, NO_CREDIT = "admitted", "readmitted", "complete", "no-credit"
+ADMITTED, READMITTED, COMPLETE, NO_CREDIT, BEHIND = "admitted", "readmitted", "complete", "no-credit", "behind"
 
-# KEYS: credit, admitted, prompts admitted, settlements. ARGV: group id, holder. Returns one of the above.
+# KEYS: credit, admitted, prompts admitted, settlements, floor. ARGV: group id, holder, the holder's weight
+# version. Returns one of the above.
 _ADMIT = """
 if redis.call('HGET', KEYS[4], ARGV[1]) then return 'complete' end
+if tonumber(ARGV[3]) < tonumber(redis.call('GET', KEYS[5]) or '0') then return 'behind' end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
   return 'readmitted'
@@ -54,6 +59,17 @@ redis.call('DECR', KEYS[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('INCR', KEYS[3])
 return 'admitted'
+"""
+
+# KEYS: floor. ARGV: a version. The floor never goes down (a trainer resumed from an older checkpoint redoes
+# steps on groups already on the log). Returns the floor.
+_RAISE_FLOOR = """
+local floor = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > floor then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return tonumber(ARGV[1])
+end
+return floor
 """
 
 # KEYS: settlements, totals. ARGV: group id. Returns the state before (nil: first attempt).
@@ -111,13 +127,14 @@ class LedgerKeys:
     totals: str  # hash: the processor's counts over the run
     prompts_admitted: str
     prompts_published: str
+    version_floor: str
 
     @classmethod
     def of(cls, cfg: Config) -> "LedgerKeys":
         namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
         return cls(namespace + "credit", namespace + "admitted", namespace + "queued", namespace + "taken-early",
                    namespace + "processor-groups", namespace + "processor-totals",
-                   namespace + "prompts-admitted", namespace + "prompts-published")
+                   namespace + "prompts-admitted", namespace + "prompts-published", namespace + "version-floor")
 
 
 @dataclass(frozen=True)
@@ -140,17 +157,27 @@ class BufferLedger:
         self._begin = self.client.register_script(_BEGIN)
         self._settle = self.client.register_script(_SETTLE)
         self._leave = self.client.register_script(_LEAVE)
+        self._raise_floor = self.client.register_script(_RAISE_FLOOR)
 
     def initialise(self) -> None:
         """Set the credit to the full capacity, unless a run already holds it (restart keeps it)."""
         self.client.set(self.keys.credit, self.capacity, nx=True)
 
     # rollout workers: a credit per admitted group
-    def admit(self, group_id: str, holder: str) -> str:
+    def admit(self, group_id: str, holder: str, version: int) -> str:
         """ADMITTED (a credit taken), READMITTED (admitted before, by a worker that died or stopped: it keeps
-        that credit), COMPLETE (the processor has the whole group: nothing to redo) or NO_CREDIT."""
-        keys = [self.keys.credit, self.keys.admitted, self.keys.prompts_admitted, self.keys.settlements]
-        return _text(self._admit(keys=keys, args=[group_id, holder]))
+        that credit), COMPLETE (the processor has the whole group: nothing to redo), BEHIND (the holder's
+        engine, at ``version``, is older than the version floor) or NO_CREDIT."""
+        keys = [self.keys.credit, self.keys.admitted, self.keys.prompts_admitted, self.keys.settlements,
+                self.keys.version_floor]
+        return _text(self._admit(keys=keys, args=[group_id, holder, version]))
+
+    def raise_floor(self, version: int) -> int:
+        """Admit nothing more on an engine older than ``version`` (never lowered); returns the floor."""
+        return int(self._raise_floor(keys=[self.keys.version_floor], args=[version]))
+
+    def version_floor(self) -> int:
+        return int(self.client.get(self.keys.version_floor) or 0)
 
     def in_flight(self) -> dict[str, str]:
         """The groups admitted and not settled yet: group id -> the worker that holds it."""

@@ -143,7 +143,7 @@ class Processor:
         self.app = ProcessorApp(app_id(cfg), **faust_settings(cfg))
         self.app.fetch_wait_ms = cfg.broker.fetch_wait_ms
         self.app.source_topics, self.app.source_offsets = frozenset(self.sources), self.offsets
-        self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.buffer.max_staleness)
+        self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound)
         self.ledger = BufferLedger(cfg)
         self.counts: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()

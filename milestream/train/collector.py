@@ -1,9 +1,10 @@
 """Taking groups out of the buffer for a training step: the trainer's side of the buffer.
 
 Groups read from ``buffer.groups`` wait in a local pool; a data selector (an import path) picks
-each batch from the pool. At collection a group past the staleness window is dropped onto
-``buffer.dropped`` (Miles' third drop rule). A group leaves the buffer — its credit returns — when
-it is taken or dropped. The offsets to checkpoint stop below the oldest group still in the pool, so a
+each batch from the pool. At collection a group past the staleness window (``cfg.staleness_bound``: 0 in
+the sync schedule, 1 in one_step) is dropped onto ``buffer.dropped`` (Miles' third drop rule). A group
+leaves the buffer — its credit returns — when it is taken or dropped; in the sync and one_step schedules
+the version floor is raised first, so the credit of a batch admits only prompts a new enough engine takes. The offsets to checkpoint stop below the oldest group still in the pool, so a
 resumed trainer re-reads what it had not used, and skips by id what it had.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ def freshest_first(pool: Sequence[PooledGroup], count: int) -> list[PooledGroup]
 
 class GroupCollector:
     def __init__(self, cfg: Config, producer: RecordProducer, offsets: dict[int, int], partitions: list[int],
-                 seen_groups: set[str]):
+                 seen_groups: set[str], resumed: bool = False):
         self.cfg, self.producer, self.seen_groups = cfg, producer, seen_groups
         self.selector: Selector = import_path(cfg.buffer.selector, "buffer.selector")
         self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
@@ -59,6 +60,9 @@ class GroupCollector:
         self.pool: dict[str, PooledGroup] = {}
         self.arrivals = 0
         self.dropped_stale = 0
+        self.collected_lags: list[int] = []  # of every group taken or dropped stale since the last step's figures
+        # by reason, up to the last step's figures: a fresh run counts from its start, a resumed one from now
+        self.drops_counted = self._drop_totals() if resumed else {}
 
     def take(self, count: int, version: int, stopping: Callable[[], bool]) -> list[tuple[PooledGroup, int]] | None:
         """``count`` fresh groups chosen by the selector, each with its staleness; None once stopping."""
@@ -67,16 +71,37 @@ class GroupCollector:
             self._drop_stale(version)
             if len(self.pool) >= count:
                 chosen = self.selector(list(self.pool.values()), count)
+                if self.cfg.admission_lead is not None:
+                    self.ledger.raise_floor(version + self.cfg.admission_lead)
                 for group in chosen:
                     self._leave(group)
-                return [(g, staleness(g.samples, version)) for g in chosen]
+                taken = [(g, staleness(g.samples, version)) for g in chosen]
+                self.collected_lags += [lag for _, lag in taken]
+                return taken
         return None
 
     def pool_figures(self, version: int) -> dict[str, float]:
-        """Groups read but not yet taken, their staleness at ``version``, and the stale drops so far."""
+        """Groups read but not yet taken, their staleness at ``version``, the stale drops so far, and the
+        staleness of every group collected (trained or dropped stale) since the last call."""
         lags = [staleness(g.samples, version) for g in self.pool.values()]
+        collected, self.collected_lags = self.collected_lags, []
         return {"pool_groups": float(len(lags)), "pool_staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-                "pool_staleness_max": float(max(lags, default=0)), "dropped_stale_total": float(self.dropped_stale)}
+                "pool_staleness_max": float(max(lags, default=0)), "dropped_stale_total": float(self.dropped_stale),
+                "collected_staleness_mean": sum(collected) / len(collected) if collected else 0.0,
+                "collected_staleness_max": float(max(collected, default=0))}
+
+    def drop_figures(self) -> dict[str, float]:
+        """``dropped_<reason>``: the groups dropped since the last call, by the processor (its run totals in
+        the ledger) and here (stale)."""
+        totals = self._drop_totals()
+        since = {reason: count - self.drops_counted.get(reason, 0) for reason, count in totals.items()}
+        self.drops_counted = totals
+        return {f"dropped_{reason}": float(count) for reason, count in sorted(since.items())}
+
+    def _drop_totals(self) -> dict[str, int]:
+        totals = {key.removeprefix("dropped_"): count for key, count in self.ledger.run_totals().items()
+                  if key.startswith("dropped_")}
+        return {**totals, "stale": totals.get("stale", 0) + self.dropped_stale}
 
     def offsets(self) -> dict[int, int]:
         """Next offsets to read on resume: below the oldest group still pooled."""
@@ -97,11 +122,12 @@ class GroupCollector:
     def _drop_stale(self, version: int) -> None:
         for group in list(self.pool.values()):
             lag = staleness(group.samples, version)
-            if lag > self.cfg.buffer.max_staleness:
-                detail = f"staleness {lag} > {self.cfg.buffer.max_staleness}"
+            if lag > self.cfg.staleness_bound:
+                detail = f"staleness {lag} > {self.cfg.staleness_bound} ({self.cfg.run.schedule} schedule)"
                 record = drop_record(group.group_id, group.samples, "stale", detail, "trainer", version)
                 self.producer.send(topics.DROPPED, [record], key=group.group_id)
                 self.dropped_stale += 1
+                self.collected_lags.append(lag)
                 self._leave(group)
 
     def _leave(self, group: PooledGroup) -> None:

@@ -1,7 +1,7 @@
 """The trainer: collect groups from ``buffer.groups``, take a step, publish the new version.
 
-  collect  batch_groups fresh groups; a stale one (current version - oldest token version >
-           max_staleness) is dropped onto buffer.dropped instead, as Miles does at collection
+  collect  batch_groups fresh groups; a stale one (current version - oldest token version > the
+           staleness bound of run.schedule) is dropped onto buffer.dropped instead, as Miles does
   step     train/learner.py on the backend trainer.backend names (local, fsdp2, megatron)
   publish  the new weights on weights.versions, the step's figures on buffer.metrics
   persist  model + optimizer + RNG + consumed offsets, atomically, every checkpoint_every steps
@@ -43,7 +43,10 @@ class Trainer:
             self.producer = RecordProducer(cfg.broker, client_id="trainer")
             self.sender = weights.make_sender(cfg)  # cfg.weights.transport
             self.collector = GroupCollector(cfg, self.producer, self.state.offsets,
-                                            Admin(cfg.broker).partitions(topics.GROUPS), self.state.seen_groups)
+                                            Admin(cfg.broker).partitions(topics.GROUPS), self.state.seen_groups,
+                                            resumed=self.state.step > 0)
+            if cfg.admission_lead is not None:  # sync, one_step: the next batch is this version's (or newer)
+                self.collector.ledger.raise_floor(self.state.version)
 
     def _resume(self) -> checkpoint.TrainerState:
         payload = checkpoint.load_latest(self.cfg.run.run_dir)
@@ -66,6 +69,7 @@ class Trainer:
             if batch is None:  # the leader is stopping: so is every rank, in step
                 self.stopping = True
                 break
+            collect_s = time.monotonic() - started  # waiting for rollout: the trainer's idle time
             faults.hold("trainer.collected")
             figures = self.learner.train_step(batch)
             self.state.step += 1
@@ -76,7 +80,7 @@ class Trainer:
                 # published before the checkpoint: a checkpointed step's record is always on the log. A
                 # step killed before its checkpoint is redone after resume and published again; the
                 # later record of a step is the one of the run's lineage (log/lineage.py)
-                self._publish_metrics(batch, {**figures, "step_s": time.monotonic() - started})
+                self._publish_metrics(batch, {**figures, "step_s": time.monotonic() - started, "collect_s": collect_s})
                 faults.hold("trainer.published")
             if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
                 self.save()
@@ -111,7 +115,7 @@ class Trainer:
         values = {**figures, "version": float(self.state.version),
                   **self.collector.ledger.figures(self.state.version),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
-                  **self.collector.pool_figures(self.state.version)}
+                  **self.collector.pool_figures(self.state.version), **self.collector.drop_figures()}
         record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)
         self.producer.send(topics.METRICS, [record], key="trainer")
         self.producer.flush()

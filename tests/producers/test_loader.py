@@ -29,7 +29,7 @@ def test_feeder_keeps_a_bounded_lookahead_and_resumes_its_position(cfg):
     assert run_feeder(cfg, 1.0) == 5
     credit = BufferLedger(cfg)
     for group in ("a#0", "b#0", "c#0", "a#0"):  # a redone prompt (a#0) is not admitted twice
-        credit.admit(group, "w-test")
+        credit.admit(group, "w-test", 0)
     assert run_feeder(cfg, 1.0) == 3  # tops up to 5 ahead, carrying on from position 5
     ids = [p.prompt_id for p in read_prompts(cfg, "audit")]
     assert sorted(ids, key=lambda i: int(i.rsplit("-", 1)[1])) == [f"chain_sum-s42-e0-{i}" for i in range(8)]

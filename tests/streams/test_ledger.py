@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from milestream.streams.ledger import (ADMITTED, COMPLETE, EMITTED, NO_CREDIT, READMITTED, SENDING, SETTLED,
+from milestream.streams.ledger import (ADMITTED, BEHIND, COMPLETE, EMITTED, NO_CREDIT, READMITTED, SENDING, SETTLED,
                                        BufferLedger, Reconciled)
 
 # held outside the queue: in rollout, in the processor, or both
@@ -36,17 +36,17 @@ class Model:
     def admit(self) -> None:
         group = f"g{next(self.ids)}#0"
         has_credit = self.ledger.capacity - self.count(*HOLDING, "queued") > 0
-        assert self.ledger.admit(group, "w") == (ADMITTED if has_credit else NO_CREDIT)
+        assert self.ledger.admit(group, "w", 0) == (ADMITTED if has_credit else NO_CREDIT)
         if has_credit:
             self.state[group] = "admitted"
 
     def redo(self, group: str) -> None:
         """Its worker died: another admits the prompt again, with the credit it holds."""
-        assert self.ledger.admit(group, "w2") == READMITTED
+        assert self.ledger.admit(group, "w2", 0) == READMITTED
 
     def redo_complete(self, group: str) -> None:
         """A redone prompt whose group the processor already has is passed over."""
-        assert self.ledger.admit(group, "w2") == COMPLETE
+        assert self.ledger.admit(group, "w2", 0) == COMPLETE
 
     def begin_sending(self, group: str) -> None:
         before = self.ledger.begin_sending(group)
@@ -109,7 +109,7 @@ def test_credit_plus_groups_held_is_the_capacity_after_every_operation(cfg, seed
 
 def test_initialise_keeps_the_credit_of_a_running_buffer(cfg):
     ledger = BufferLedger(cfg)
-    assert ledger.available() == ledger.capacity and ledger.admit("g#0", "w") == ADMITTED
+    assert ledger.available() == ledger.capacity and ledger.admit("g#0", "w", 0) == ADMITTED
     ledger.initialise()  # a restarted stage
     assert ledger.available() == ledger.capacity - 1
 
@@ -119,11 +119,11 @@ def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups
     for group in ("early#0", "redo#0"):
         ledger.begin_sending(group)
     ledger.leave("early#0")  # taken early before the broker was lost
-    ledger.admit("lost#0", "w")  # admitted in the lost broker's run: the log says nothing of it
+    ledger.admit("lost#0", "w", 0)  # admitted in the lost broker's run: the log says nothing of it
     ledger.reconcile(Reconciled(credit=3, queue={"q#0": 2}, prompts_admitted=7, unsettled=("redo#0",),
                                 admitted=("f#0",)))
     assert ledger.available() == 3 and ledger.queued_versions() == [2] and ledger.prompts_admitted() == 7
-    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("f#0", "w") == READMITTED
+    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("f#0", "w", 0) == READMITTED
     assert ledger.settlement("redo#0") is None and ledger.settlement("early#0") == SENDING
     assert ledger.leave("early#0")  # its early take was forgotten: the resumed trainer takes it again
     assert ledger.leave("q#0") and ledger.available() == 4
@@ -137,5 +137,16 @@ def test_rebuild_writes_every_key_of_a_fresh_ledger(cfg):
     assert ledger.available() == 2 and ledger.queued_versions() == [1] and ledger.prompts_admitted() == 3
     assert ledger.prompts_published() == 5 and ledger.run_totals() == {"groups_out": 1, "dropped_filtered": 1}
     assert ledger.settlement("gone#0") == SETTLED and not ledger.settle("gone#0", "filtered")  # a re-read: nothing
-    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("gone#0", "w") == "complete"
+    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("gone#0", "w", 0) == "complete"
     assert ledger.balance()["unaccounted"] == 0  # 2 available + 1 queued + 1 in flight = 4
+
+
+def test_an_engine_older_than_the_version_floor_admits_nothing_and_the_floor_never_goes_down(cfg):
+    ledger = BufferLedger(cfg)
+    assert ledger.admit("a#0", "w", 0) == ADMITTED
+    assert ledger.raise_floor(3) == 3 and ledger.raise_floor(1) == 3  # a trainer resumed at version 1
+    assert ledger.admit("b#0", "w", 2) == BEHIND  # no credit taken
+    assert ledger.admit("a#0", "w2", 2) == BEHIND  # nor a redo on an engine as old
+    assert ledger.available() == ledger.capacity - 1 and ledger.version_floor() == 3
+    assert ledger.admit("b#0", "w", 3) == ADMITTED and ledger.admit("a#0", "w2", 4) == READMITTED
+    assert ledger.balance()["unaccounted"] == 0
