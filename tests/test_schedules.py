@@ -1,12 +1,16 @@
 """The sync and one_step schedules on the whole loop (the async one is the default every other loop test runs):
 each trained group's staleness, recomputed from its logged tokens, is within the schedule's bound, and the
-audit finds nothing lost or trained twice."""
+audit finds nothing lost or trained twice. In sync the trainer is SIGKILLed holding its second batch: the
+version floor is raised and the batch's credit back, so rollout waits for a version the dead trainer never
+published; the restarted trainer takes the batch again from the log and the run goes on."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from stage_runs import run_showing_logs
+from chaos import sigkill
+from holds import Holds
+from stage_runs import print_logs_unless_done, running, start_run
 
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import BrokerSource
@@ -26,14 +30,29 @@ def logged_token_versions(cfg) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("schedule, over_sampling", [("sync", 1.0), ("one_step", 1.5)])
-def test_schedule_keeps_its_staleness_bound_with_nothing_lost_or_trained_twice(cfg, monkeypatch, schedule, over_sampling):
+def test_schedule_keeps_its_staleness_bound_with_nothing_lost_or_trained_twice(cfg, monkeypatch, tmp_path, schedule,
+                                                                              over_sampling):
     monkeypatch.setenv("PYTHONPATH", PLUGINS)
     # the filter drops every third prompt: its credit brings another prompt until the batch is full
-    cfg = cfg.with_overrides(run={"schedule": schedule, "max_wall_s": 240},
+    cfg = cfg.with_overrides(run={"schedule": schedule, "max_wall_s": 300},
                              buffer={"over_sampling": over_sampling, "filter": "loop_filters:reject_every_third_prompt"})
     BufferLedger(cfg).reconcile(Reconciled(credit=cfg.buffer_capacity, queue={}, prompts_admitted=0))  # its size
     bound = cfg.staleness_bound
-    summary = run_showing_logs(cfg)
+    holds = Holds.enable(monkeypatch, tmp_path)
+    if schedule == "sync":
+        holds.arm("trainer.collected", at_pass=2)
+    runner, outcome = start_run(cfg)
+    try:
+        if schedule == "sync":
+            trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer's second batch"))
+            assert BufferLedger(cfg).version_floor() == 2  # raised before the batch's credit came back
+            sigkill(trainer)
+            holds.release("trainer.collected", trainer)
+        runner.join(600)
+    finally:
+        print_logs_unless_done(Path(cfg.run.run_dir), outcome)
+    assert "error" not in outcome, outcome.get("error")
+    summary = outcome["summary"]
     assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
     assert summary["buffer"]["unaccounted"] == 0, summary["buffer"]
 
