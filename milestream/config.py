@@ -276,6 +276,12 @@ class TrainerConfig(Section):
     # grpo/gspo: False trains on the raw reward, no group baseline (rewards already centred, or plain
     # REINFORCE); True: centred, divided by the group's std unless group_std_normalize is False
     group_normalize: bool = True
+    # optimizer steps per collected batch (Miles' num_steps_per_rollout, PPO's minibatches): the batch
+    # is cut into this many runs of whole groups, each one step against pi_old = the policy before the
+    # first, so from the second on pi/pi_old moves off 1 and clip_eps, clip_eps_high and dual_clip_c
+    # bite. Still one weight version per batch. At least 1 (0 would publish versions that never trained),
+    # at most batch_groups: a minibatch holds whole groups
+    updates_per_batch: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _objective_on_its_backend(self) -> "TrainerConfig":
@@ -283,6 +289,13 @@ class TrainerConfig(Section):
         for knob in ("kl_loss_coef", "entropy_coef"):
             if getattr(self, knob) and self.backend != "local":
                 raise ValueError(f"trainer.{knob} runs on trainer.backend=local only, not {self.backend}")
+        return self
+
+    @model_validator(mode="after")
+    def _whole_groups_per_update(self) -> "TrainerConfig":
+        if self.updates_per_batch > self.batch_groups:
+            raise ValueError(f"trainer.updates_per_batch={self.updates_per_batch} needs at least as many groups "
+                             f"per batch, trainer.batch_groups={self.batch_groups}: each update takes whole groups")
         return self
 
 

@@ -1,9 +1,12 @@
 """One training step on a batch of groups, whatever the backend: the trainer's arithmetic, free of Kafka.
 
     advantages  trainer.advantage_estimator over the whole batch (train/estimators.py); ppo's
-                GAE reads the value head's V before the step (a forward without gradient)
+                GAE reads the value head's V before the first update (a forward without gradient)
+    updates     trainer.updates_per_batch optimizer steps, each on a minibatch of whole groups in
+                order, against pi_old = the policy before the first (a forward without gradient when
+                there is more than one; with one, pi detached)
     loss        make_loss(trainer) per prompt of each group, reduced by trainer.loss_reduction over
-                denominators of the whole batch (its tokens or its samples: losses.reduce_loss)
+                denominators of the update's minibatch (its tokens or its samples: losses.reduce_loss)
     step        the backend's (local, FSDP2 or Megatron-core): backward, clip, AdamW (skipped when
                 the loss or the gradient norm is not finite: update_skipped)
 
@@ -11,13 +14,15 @@ The trainer runs it on every rank; ``milestream replay --step N`` runs it on the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from milestream.config import Config
-from milestream.train.backends import TrainBackend, make_backend
+from milestream.train.backends import StepResult, TrainBackend, make_backend
+from milestream.train.backends.base import LossFn, share
 from milestream.train.estimators import AdvantageInputs, advantage_options, compute_advantages
 from milestream.train.logprobs import pad
 from milestream.train.losses import Denominators, LossInput, make_loss, reduce_loss, step_figures
@@ -42,6 +47,7 @@ class PromptRows:
     returns: torch.Tensor | None = None  # ppo: the value targets, and V before the step
     old_values: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # log pi_ref (trainer.kl_coef, kl_loss_coef)
+    old_logp: torch.Tensor | None = None  # log pi_old when it is not pi (trainer.updates_per_batch > 1)
 
 
 class Learner:
@@ -61,11 +67,24 @@ class Learner:
                 raise ValueError(f"{why} runs on trainer.backend=local, not {trainer.backend}")
 
     def train_step(self, batch: Sequence[CollectedGroup]) -> dict[str, float]:
-        """One optimizer step over the batch; the step's figures (loss and grad norm first)."""
-        samples = [s for g in batch for s in g.samples]
+        """trainer.updates_per_batch optimizer steps over the batch; the step's figures (``_figures``)."""
+        trainer = self.cfg.trainer
+        updates = trainer.updates_per_batch
+        if len(batch) < updates:
+            raise ValueError(f"trainer.updates_per_batch={updates} needs at least {updates} groups, got {len(batch)}")
+        microbatches = self._microbatches(batch)
+        if updates > 1:
+            microbatches = self._with_old_logprobs(microbatches)
+        per_group = [len(by_prompt(g.samples)) for g in batch]
+        results = [self.backend.step(part, self._loss_fn(part), trainer.max_grad_norm)
+                   for part in minibatches(microbatches, per_group, updates)]
+        return self._figures(batch, results)
+
+    def _loss_fn(self, minibatch: Sequence[PromptRows]) -> LossFn:
+        """Each microbatch's share of the loss of ``minibatch``, a mean over its tokens or samples."""
+        samples = [s for rows in minibatch for s in rows.samples]
         denominators = Denominators(tokens=sum(sum(s.loss_mask) for s in samples), samples=len(samples),
                                     seq_sum_length=self.cfg.rollout.max_new_tokens)
-        microbatches = self._microbatches(batch)
 
         def loss_fn(rows: PromptRows) -> tuple[torch.Tensor, dict[str, float]]:
             logp, values, entropy = self._forward(rows)
@@ -75,22 +94,40 @@ class Learner:
             advantages = rows.advantages[:, :width].to(logp.device)
             returns, old_values, ref_logp = ((t[:, :width].to(logp.device) if t is not None else None)
                                              for t in (rows.returns, rows.old_values, rows.ref_logp))
-            out = self.loss(LossInput(logp, logp.detach(), rollout_logp, advantages, mask,  # one step: pi_old = pi
+            # one update per batch: pi_old is pi itself, detached
+            old_logp = logp.detach() if rows.old_logp is None else rows.old_logp.to(logp.device)
+            out = self.loss(LossInput(logp, old_logp, rollout_logp, advantages, mask,
                                       returns=returns, values=values, old_values=old_values, ref_logp=ref_logp,
                                       entropy=entropy))
             loss = reduce_loss(out, mask, self.cfg.trainer.loss_reduction, denominators)
             return loss, {**out.figures, "tokens": float(out.tokens)}
+        return loss_fn
 
-        result = self.backend.step(microbatches, loss_fn, self.cfg.trainer.max_grad_norm)
-        figures = dict(result.figures)
+    def _figures(self, batch: Sequence[CollectedGroup], results: Sequence[StepResult]) -> dict[str, float]:
+        """loss and grad_norm of the last update (a mean over its minibatch), updates, update_skipped
+        (how many were), the batch's rewards and lengths; the loss's figures (ppo_clip_frac, the
+        rollout mismatch, value_loss, ...) are their sums over every update divided by the batch's
+        tokens: each token counts once, as its update saw it."""
+        samples = [s for g in batch for s in g.samples]
+        figures = dict(results[0].figures)
+        for result in results[1:]:
+            for name, value in result.figures.items():
+                figures[name] += value
         tokens = max(figures.pop("tokens"), 1.0)
         rewards = [s.reward for s in samples]
         return {
-            "loss": result.loss, "grad_norm": result.grad_norm, "update_skipped": float(result.update_skipped),
+            "loss": results[-1].loss, "grad_norm": results[-1].grad_norm,
+            "update_skipped": float(sum(r.update_skipped for r in results)), "updates": float(len(results)),
             "reward_mean": sum(rewards) / len(rewards),
             **step_figures(figures, tokens, len(samples)),  # the loss's figures, per token (or sample)
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
+
+    def _with_old_logprobs(self, microbatches: Sequence[PromptRows]) -> list[PromptRows]:
+        """The microbatches with log pi_old, the policy before the first update: the same forward as
+        the loss's (so the first update's ratio is 1), without gradient."""
+        with torch.no_grad():
+            return [replace(rows, old_logp=self._forward(rows)[0].detach()) for rows in microbatches]
 
     def _forward(self, rows: PromptRows) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """pi's log-probs, with gradient, and where the objective needs them V and the entropy."""
@@ -156,6 +193,14 @@ def _stack_padded(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """Rows of per-group widths, right-padded with 0 to the longest: [len(rows), longest]."""
     longest = max(row.shape[0] for row in rows)
     return torch.stack([torch.nn.functional.pad(row, (0, longest - row.shape[0])) for row in rows])
+
+
+def minibatches(microbatches: Sequence[PromptRows], per_group: Sequence[int], updates: int) -> list[list[PromptRows]]:
+    """``microbatches`` (``per_group[i]`` of them from group i, in order) cut into ``updates`` runs of
+    whole groups, in order, whose group counts differ by at most one."""
+    counts = [sum(share(per_group, index, updates)) for index in range(updates)]
+    return [list(microbatches[start:start + count])
+            for start, count in zip(itertools.accumulate(counts, initial=0), counts)]
 
 
 def by_prompt(samples: Sequence[GroupSample]) -> list[tuple[list[int], list[GroupSample]]]:
