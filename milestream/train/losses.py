@@ -1,8 +1,8 @@
 """One loss interface: ``Loss(LossInput) -> LossOutput``, with policy, value, supervised and user variants.
 
 Three policies meet in a batch: pi_rollout sampled it (the engine's log-probs), pi_old is the
-trainer's policy before this step (one optimizer step per batch: the current one, detached), pi
-the one being trained. The policy loss is PPO-clip on pi/pi_old (GSPO: on the geometric mean of
+trainer's policy before the batch's first update (with ``trainer.updates_per_batch`` 1, the current
+one, detached; with more, recorded by a forward before the first), pi the one being trained. The policy loss is PPO-clip on pi/pi_old (GSPO: on the geometric mean of
 the ratios over the response; ``clip_eps_high``: DAPO's asymmetric clip; ``dual_clip_c``: dual-clip
 PPO), times the rollout-training correction on pi_old/pi_rollout:
 
