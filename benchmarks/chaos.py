@@ -11,7 +11,7 @@ evaluator, the embedded broker, the embedded Redis) and SIGKILLs it; none once t
 supervises its stages and brings its services back (milestream/orchestrator.py). At the end the run is
 audited from its archived log and its last checkpoint (log/audit.py), and one JSON line is printed:
 
-  kills, kills_total    SIGKILLs that hit a live process, by target
+  kills, kills_total    SIGKILLs that hit a live process, by target; kill_log: [seconds into the run, target]
   run_exit, run_error   the exit status of ``milestream run``, and its last lines when not 0
   steps                 trainer steps in the run's lineage (of ``steps_planned``); missing_steps, steps_redone
   groups_lost           groups on buffer.groups neither trained, dropped, nor waiting in the buffer
@@ -27,8 +27,9 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
                         rollout.trajectories with no outcome: groups holding a credit of which the log
                         shows nothing (admitted, nothing published yet, when the run stopped or stalled)
   reward_first, reward_last  mean training reward over the first and the last quarter of the steps
-  max_gap_after_rollout_kill_s  the longest interval between two consecutive trainer steps that
-                        overlaps [kill, kill + --window-s] of a rollout-worker kill (max_gap_after_kill_s:
+  max_gap_after_rollout_kill_s  the longest interval between two consecutive trainer step records (a
+                        redone step counts: it is work done) that overlaps [kill, kill + --window-s] of a
+                        rollout-worker kill (max_gap_after_kill_s:
                         the same for every target)
   baseline_median_gap_s the median interval between two steps with no kill of anything within that
                         window, in the same run; gap_ratio = max_gap_after_rollout_kill_s / it
@@ -99,6 +100,7 @@ class Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir, self.err_path, self.stall_s = run_dir, run_dir / "run.err", stall_s
         self.config_path = run_dir / "config.yaml"
+        self.started = time.time()
         self.newest, self.moved = 0.0, time.monotonic()  # the newest step record's time, when it last changed
         command = [sys.executable, "-m", "milestream.cli", "run", *(a for o in overrides for a in ("--set", o))]
         with open(run_dir / "run.out", "w") as out, open(self.err_path, "w") as err:
@@ -216,7 +218,15 @@ def audit_figures(run_dir: Path, group_size: int, kills: list[tuple[float, str]]
             "steps_redone": audit.step_records - audit.steps, "missing_steps": audit.missing_steps,
             "exact": audit.exact, "reward_first": round(summary["reward_first_quarter"], 4),
             "reward_last": round(summary["reward_last_quarter"], 4),
-            **step_gaps([m.ts for m in lineage.trainer_steps()], kills, window_s, stalled_at)}
+            **step_gaps(step_record_times(run_dir), kills, window_s, stalled_at)}
+
+
+def step_record_times(run_dir: Path) -> list[float]:
+    """When each trainer step record was made, redone steps included, in time order: how long the trainer
+    went without finishing a step (the lineage keeps only a redone step's later record, which would
+    stretch the interval before it over the first attempts)."""
+    return sorted(r["ts"] for m in read_archive_fields(run_dir, topics.METRICS, ["source", "ts"])
+                  for r in m.records if r["source"] == "trainer")
 
 
 def ledger_figures(run_dir: Path, buffer: dict | None) -> dict:
@@ -245,6 +255,7 @@ def main() -> None:
         summary_path = run_dir / "summary.json"
         buffer = json.loads(summary_path.read_text()).get("buffer") if summary_path.exists() else None
         result = {"kills": dict(collections.Counter(name for _, name in kills)), "kills_total": len(kills),
+                  "kill_log": [[round(t - run.started, 1), name] for t, name in kills],
                   "run_exit": code, "stalled": stall, "steps_planned": cfg.trainer.steps,
                   "wall_s": round(time.monotonic() - started, 1)}
         if code != 0 and stall is None:  # a stalled run was interrupted here
