@@ -193,6 +193,12 @@ class SandboxConfig(Section):
     timeout_s: float = 5.0  # wall clock per tool call (CPU time limited to about the same)
     memory_mb: int = 512  # address space of the tool process
     max_output_chars: int = 2000  # of a tool result, given back to the model
+    max_processes: int = 32  # processes and threads of one tool call (RLIMIT_NPROC in its own user namespace)
+    bwrap: str = "bwrap"  # bubblewrap, which isolates each call: a name on PATH or a path
+    # where bubblewrap cannot isolate a call (not installed, no user namespaces), episodes with tools fail
+    # (the sandbox fails closed) unless this is set: then tools run in the weak sandbox, with a warning in
+    # the log and sandbox_weak 1 in the rollout worker's metrics
+    allow_weak: bool = False
 
 
 class BufferConfig(Section):

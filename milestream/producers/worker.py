@@ -37,6 +37,7 @@ from milestream.infra import faults
 from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.infra.offsets import HeldOffsets
+from milestream.producers.environments.sandbox import figures as sandbox_figures
 from milestream.producers.rewards import Reward
 from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
@@ -409,7 +410,7 @@ class RolloutWorker:
                       "update_pause_s": float(getattr(self.engine, "update_pause_s", 0.0)),
                       "engine_busy_s": float(getattr(self.engine, "busy_s", 0.0)),  # CpuEngine
                       "failed_groups": float(self.errors.total), "failed_groups_in_window": float(len(self.errors.times)),
-                      **self.ctx.reward_figures.take()}
+                      **self.ctx.reward_figures.take(), **sandbox_figures()}
             self.producer.send(topics.METRICS, [Metrics(f"rollout/{self.worker_id}", int(elapsed), time.time(), values)])
 
 

@@ -17,7 +17,7 @@ import pytest
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.model import load_tokenizer
 from milestream.engines.engine import GenerateRequest, GenerateResult, sampling_params
-from milestream.producers.environments.sandbox import Sandbox, SandboxLimits, network_namespace_available
+from milestream.producers.environments.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from milestream.producers.environments.tool_use import run_tool_call
 from milestream.producers.loader import load_prompts
 from milestream.producers.rollout import RolloutContext, load_layers
@@ -83,11 +83,8 @@ def test_sandbox_limits_time_memory_and_network():
         assert not hog.ok and "MemoryError" in hog.stderr
         dial = sandbox.run_python("import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)")
         assert not dial.ok and "no network" in dial.stderr
-    if network_namespace_available():  # below Python, too: the namespace has no usable interface
-        with Sandbox() as sandbox:
-            raw = sandbox.run_python("import ctypes, ctypes.util, socket\n"
-                                     "print(socket.if_nameindex())")
-            assert raw.ok and "eth" not in raw.stdout
+        interfaces = sandbox.run_python("import socket; print([name for _, name in socket.if_nameindex()])")
+        assert interfaces.stdout == "['lo']\n"  # below Python, too: a network namespace with its own loopback only
 
 
 def test_tool_calls_give_text_back_never_raise():
@@ -125,6 +122,22 @@ def test_interpreter_episode_runs_each_message_as_a_cell(cfg):
     tool_span = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m == 0])
     assert f"tool\n{task.answer}\n" in tool_span and tool_span.endswith("assistant\n<answer>")
     assert tokenizer.decode(sample.response_ids).endswith(f"<answer>{task.answer}</answer><|im_end|>")
+
+
+def test_an_episode_without_isolation_fails_rather_than_run_tools(cfg):
+    """bubblewrap missing and sandbox.allow_weak off: the sample fails (the worker publishes its group as
+    an error) before the policy's first turn, naming the reason."""
+    cfg = cfg.with_overrides(rollout={"generate_fn": TOOL_LAYERS["generate_fn"], "max_new_tokens": 64, "max_turns": 2,
+                                      "agent_fn": "milestream.producers.environments.tool_use:interpreter_agent"},
+                             sandbox={"bwrap": "/nonexistent/bwrap"})
+    tokenizer = load_tokenizer(cfg.model)
+    engine = ScriptedEngine(tokenizer, first_turn=lambda expression: f"```python\n{expression}\n```")
+    layers = load_layers(cfg)
+    ctx = RolloutContext(cfg, "w", engine, tokenizer, sampling_params(cfg.rollout, tokenizer), None, layers.agent)
+    task = next(iter_prompts(cfg.data))
+    prompt = Prompt("p0", cfg.data.task, task.index, task.question, task.answer, json.dumps(task.entry))
+    with pytest.raises(SandboxUnavailable, match="bubblewrap \\(/nonexistent/bwrap\\) is not installed"):
+        asyncio.run(layers.generate(ctx, prompt, "g/0"))
 
 
 # ---- an episode through the worker ----------------------------------------------------------------------

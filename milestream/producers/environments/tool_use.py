@@ -12,8 +12,10 @@ Two agent functions (``rollout.agent_fn``, with ``rollout.generate_fn``
   as a tool turn; a message with the tag ends the episode. The last allowed turn is opened with
   the task's ``data.assistant_prefill`` (``<answer>``), so every episode ends in an answer.
 
-Each episode has its own sandbox (a fresh folder, a subprocess with time, memory and no-network
-limits, removed afterwards). Tool results enter the conversation as ``tool`` messages; the session
+Each episode has its own sandbox (``sandbox.py``: a fresh folder, removed afterwards; each tool
+call under bubblewrap with no network, a read-only system, no view of other processes and time,
+memory and process limits; no tools at all where that isolation is missing, unless
+``sandbox.allow_weak``). Tool results enter the conversation as ``tool`` messages; the session
 records them with loss mask 0, so the policy is trained only on its own tokens. The final
 assistant message is what the task's verifier scores.
 """
@@ -59,8 +61,14 @@ if last is not None:
 _FENCE = re.compile(r"```(?:python|py)?\n?(.*?)```", re.DOTALL)
 
 
-def limits(cfg: SandboxConfig) -> SandboxLimits:
-    return SandboxLimits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, max_output_chars=cfg.max_output_chars)
+def sandbox(cfg: SandboxConfig) -> Sandbox:
+    """An episode's sandbox; entering it raises ``SandboxUnavailable`` where tools cannot be isolated and
+    ``sandbox.allow_weak`` is off: the sample fails (a deployment fault, not the policy's), so the worker
+    publishes the group as an error and stops after ``rollout.max_errors`` of them, naming the reason,
+    rather than train on episodes whose tools always fail."""
+    limits = SandboxLimits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, max_output_chars=cfg.max_output_chars,
+                           max_processes=cfg.max_processes)
+    return Sandbox(limits, bwrap=cfg.bwrap, allow_weak=cfg.allow_weak)
 
 
 async def python_tool_agent(chat: ChatFn, prompt: Prompt, ctx: RolloutContext) -> Episode:
@@ -89,11 +97,11 @@ async def _episode(chat: ChatFn, prompt: Prompt, ctx: RolloutContext, hint: str,
     messages: list[dict] = [{"role": "system", "content": ctx.cfg.data.system_prompt + hint},
                             {"role": "user", "content": prompt.question}]
     tool_turns = 0
-    with Sandbox(limits(ctx.cfg.sandbox)) as sandbox:
+    with sandbox(ctx.cfg.sandbox) as box:
         for turn in range(ctx.cfg.rollout.max_turns):
             reply = await chat(messages, tools, last_prefill if turn == ctx.cfg.rollout.max_turns - 1 else "")
             messages.append(reply)
-            results = await asyncio.to_thread(act, sandbox, reply)
+            results = await asyncio.to_thread(act, box, reply)
             if results is None:
                 answer = (reply.get("content") or "").removeprefix(ctx.cfg.data.assistant_prefill)
                 return Episode(answer_text=answer, tool_calls=tool_turns)
