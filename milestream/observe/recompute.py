@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from milestream.config import Config
 from milestream.train import checkpoint
 from milestream.log.lineage import lineage_of
@@ -53,12 +51,11 @@ def _bits(value: float) -> bytes:
 
 def checkpoint_before(run_dir: Path, step: int) -> tuple[int, dict]:
     """The newest checkpoint of a step before ``step`` (0: the initial weights, no checkpoint)."""
-    found = sorted((int(p.name.split("_")[1]), p) for p in checkpoint.checkpoint_root(run_dir).glob("step_*")
-                   if p.is_dir() and int(p.name.split("_")[1]) < step)
-    if not found:
+    earlier = [(at, folder) for at, folder in checkpoint.saved(run_dir).items() if at < step]
+    if not earlier:
         return 0, {}
-    at, folder = found[-1]
-    return at, torch.load(folder / "checkpoint.pt", weights_only=False)
+    at, folder = earlier[-1]
+    return at, checkpoint.load(folder)
 
 
 def logged_groups(run_dir: Path, wanted: set[str]) -> dict[str, list[GroupSample]]:

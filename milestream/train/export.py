@@ -32,7 +32,7 @@ from milestream.streams.weights.base import checksums, version_of, weights_dir
 from milestream.streams.weights.delta import DeltaReceiver, read_delta
 from milestream.streams.weights.disk import read_verified_full
 from milestream.train.backends.local import VALUE_HEAD
-from milestream.train.checkpoint import checkpoint_root
+from milestream.train import checkpoint
 
 FACTS_FILE = "milestream.json"
 
@@ -46,7 +46,7 @@ class Exported:
     folder: str
     version: int
     step: int
-    source: str  # the version file or checkpoint the tensors came from
+    source: str  # the version file or checkpoint folder the tensors came from
     merged: bool  # LoRA merged into the base weights (False: full fine-tuning, or the adapter alone)
     adapter: bool
     checksums: dict[str, str]  # per exported trainable tensor, as the version's weights.versions record
@@ -54,8 +54,7 @@ class Exported:
 
 def kept_versions(run_dir: str | Path) -> dict[int, Path]:
     """Every version whose weights are still on disk: its version file, else its checkpoint."""
-    kept = {int(p.name.split("_")[1]): p / "checkpoint.pt"
-            for p in checkpoint_root(run_dir).glob("step_*") if (p / "checkpoint.pt").is_file()}
+    kept = checkpoint.saved(run_dir)
     folder = weights_dir(run_dir)
     kept.update({version_of(p): p for p in [*folder.glob("v*.delta"), *folder.glob("v*.safetensors")]})
     return dict(sorted(kept.items()))
@@ -66,7 +65,7 @@ def version_tensors(cfg: Config, version: int | None = None) -> tuple[int, int, 
     kept = kept_versions(cfg.run.run_dir)
     if not kept:
         raise VersionNotKept(f"{cfg.run.run_dir} holds no weight version (no {weights_dir(cfg.run.run_dir)}/v*, "
-                             f"no {checkpoint_root(cfg.run.run_dir)}/step_*)")
+                             f"no {checkpoint.checkpoint_root(cfg.run.run_dir)}/step_*)")
     version = max(kept) if version is None else version
     if version not in kept:
         raise VersionNotKept(
@@ -74,7 +73,7 @@ def version_tensors(cfg: Config, version: int | None = None) -> tuple[int, int, 
             f"(version files: the newest trainer.keep_weight_versions={cfg.trainer.keep_weight_versions}; "
             f"checkpoints: the newest trainer.keep_checkpoints={cfg.trainer.keep_checkpoints})")
     source = kept[version]
-    if source.name == "checkpoint.pt":
+    if source.is_dir():
         step, tensors = _from_checkpoint(source, version)
     elif source.suffix == ".delta":
         step, tensors = _from_delta(cfg, source, version)
@@ -84,11 +83,11 @@ def version_tensors(cfg: Config, version: int | None = None) -> tuple[int, int, 
     return version, step, source, tensors
 
 
-def _from_checkpoint(path: Path, version: int) -> tuple[int, dict[str, Tensor]]:
-    payload = torch.load(path, weights_only=False, map_location="cpu")
+def _from_checkpoint(folder: Path, version: int) -> tuple[int, dict[str, Tensor]]:
+    payload = checkpoint.load(folder)
     state = payload["state"]
     if state["version"] != version:
-        raise VersionNotKept(f"{path} holds version {state['version']}, not {version}")
+        raise VersionNotKept(f"{folder} holds version {state['version']}, not {version}")
     prefix = f"{VALUE_HEAD}."  # the PPO value head trains with the policy but is no part of it
     return state["step"], {n: t for n, t in payload["backend"]["model"].items() if not n.startswith(prefix)}
 

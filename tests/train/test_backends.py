@@ -23,12 +23,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from milestream.config import Config
 from milestream.train.backends import launch, make_backend
 from milestream.train.backends.base import share
 from milestream.train.backends.megatron_weights import LlamaShape, hf_to_megatron, megatron_to_hf
 from milestream.infra.model import configure_process
+from milestream.train import checkpoint
 
 ENTRY = f"{__name__}:train_fixed_batches"  # the ranks find this module through PYTHONPATH (see run)
 GROUPS_PER_STEP = (2, 1, 3)
@@ -67,7 +69,8 @@ def fixed_batch(step: int) -> list[Group]:
 
 
 def train_fixed_batches(cfg: Config) -> None:
-    """Two steps, a state_dict snapshot, the third step; then reload the snapshot and redo the third."""
+    """Two steps, a state_dict snapshot checkpointed, the third step; then every rank reloads the
+    checkpoint (safetensors + JSON, as a resumed trainer does) and redoes the third."""
     configure_process(cfg.model)  # as the trainer does: one thread, else float sums split differently
     backend = make_backend(cfg)
 
@@ -79,9 +82,13 @@ def train_fixed_batches(cfg: Config) -> None:
 
     results = [step(index) for index in range(len(GROUPS_PER_STEP) - 1)]
     midway = backend.state_dict()
+    if backend.rank == 0:
+        checkpoint.save(cfg.run.run_dir, checkpoint.TrainerState(step=2), midway)
+    if dist.is_initialized():
+        dist.barrier()
     results.append(step(len(GROUPS_PER_STEP) - 1))
     weights = {name: tensor.clone() for name, tensor in backend.export_weights().items()}
-    backend.load_state_dict(midway)
+    backend.load_state_dict(checkpoint.load_latest(cfg.run.run_dir)["backend"])
     replayed = step(len(GROUPS_PER_STEP) - 1)
     replayed_weights = backend.export_weights()  # collective, like every backend method
     if backend.rank == 0:
