@@ -11,10 +11,12 @@ batch and broadcasts it; every rank computes the step.
 """
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
 
+import torch
 import torch.distributed as dist
 
 from milestream.config import Config
@@ -25,7 +27,8 @@ from milestream.infra import faults
 from milestream.infra.kafka import Admin, RecordProducer
 from milestream.infra.model import configure_process
 from milestream.schemas import topics
-from milestream.schemas.records import Metrics
+from milestream.schemas.codec import decode, encode
+from milestream.schemas.records import GroupSample, Metrics
 from milestream.streams import weights
 
 log = logging.getLogger(__name__)
@@ -99,9 +102,7 @@ class Trainer:
             if taken is not None:
                 batch = [CollectedGroup(group.group_id, group.samples, lag) for group, lag in taken]
         if self.learner.backend.world_size > 1:
-            shared = [batch]
-            dist.broadcast_object_list(shared, src=0)
-            batch = shared[0]
+            batch = broadcast_batch(batch if self.leader else None, self.leader)
         return batch
 
     def save(self) -> None:
@@ -122,6 +123,30 @@ class Trainer:
         log.info("step %d reward %.3f loss %.4f staleness %.2f/%d queue %d (%.1fs)", self.state.step,
                  values["reward_mean"], values["loss"], values["staleness_mean"], max(lags), values["queue_size"],
                  figures["step_s"])
+
+
+def broadcast_batch(batch: list[CollectedGroup] | None, leader: bool) -> list[CollectedGroup] | None:
+    """The leader's batch on every rank, as Arrow bytes (never a pickle: the samples came from a topic);
+    None (stop) travels as size -1. Each group's id and staleness ride on its samples' order."""
+    size = torch.tensor([-1], dtype=torch.int64)
+    payload = b""
+    if leader and batch is not None:
+        payload = encode([s for g in batch for s in g.samples])
+        layout = json.dumps([[g.group_id, len(g.samples), g.staleness] for g in batch]).encode()
+        payload = len(layout).to_bytes(8, "little") + layout + payload
+        size[0] = len(payload)
+    dist.broadcast(size, src=0)
+    if size.item() < 0:
+        return None
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if leader else torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    raw = data.numpy().tobytes()
+    head = int.from_bytes(raw[:8], "little")
+    samples, out = decode(raw[8 + head:], GroupSample), []
+    for group_id, count, lag in json.loads(raw[8:8 + head]):
+        out.append(CollectedGroup(group_id, samples[:count], lag))
+        samples = samples[count:]
+    return out
 
 
 def run_trainer(cfg: Config) -> None:

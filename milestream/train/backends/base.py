@@ -8,9 +8,8 @@ How a distributed trainer uses it (every rank runs the same program, launched by
 
     backend = make_backend(cfg)                      # joins the process group torchrun set up
     while training:
-        batch = [collect()] if backend.rank == 0 else [None]
-        torch.distributed.broadcast_object_list(batch, src=0)   # rank 0 alone reads Kafka
-        groups = batch[0]
+        batch = collect() if backend.rank == 0 else None   # rank 0 alone reads Kafka
+        groups = broadcast_batch(batch, backend.rank == 0)   # Arrow bytes, never a pickle (train/trainer.py)
         total_tokens = sum(...)                      # of the whole batch: every rank has it
 
         def loss_fn(group):
