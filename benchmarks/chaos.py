@@ -41,7 +41,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -103,8 +105,11 @@ class Run:
         self.started = time.time()
         self.newest, self.moved = 0.0, time.monotonic()  # the newest step record's time, when it last changed
         command = [sys.executable, "-m", "milestream.cli", "run", *(a for o in overrides for a in ("--set", o))]
+        # its embedded Redis's password, known here to read the ledger (RUN_DIR/config.yaml never holds it)
+        self.redis_password = secrets.token_urlsafe(32)
+        env = {**os.environ, "MILESTREAM__REDIS__PASSWORD": json.dumps(self.redis_password)}
         with open(run_dir / "run.out", "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -139,7 +144,8 @@ class Run:
         stall = None
         if self.alive():
             stalled_for = self.stalled_for()
-            buffer = BufferLedger(load_config(self.config_path)).balance()
+            live = load_config(self.config_path).with_overrides(redis={"password": self.redis_password})
+            buffer = BufferLedger(live).balance()
             stall = {"after_step": max((s for s, _ in self.trainer_steps()), default=0),
                      "for_s": round(stalled_for, 1), "buffer": buffer, "at": time.time()}
             self.proc.terminate()  # its stages and services get SIGTERM with it (die_with_parent)

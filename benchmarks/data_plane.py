@@ -24,6 +24,7 @@ from pathlib import Path
 
 from milestream.config import Config
 from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer
+from milestream.infra.secret_env import stage_environment
 from milestream.infra.services import die_with_parent, services
 from milestream.schemas import topics
 from milestream.schemas.codec import encode, headers_for
@@ -55,10 +56,10 @@ def publish(producer: RecordProducer, gid: str, records) -> None:
 
 def start_processor(cfg: Config, workdir: Path) -> subprocess.Popen:
     config_path = workdir / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
+    config_path.write_text(cfg.to_yaml())  # without the Redis password: the stage gets it in its environment
     return subprocess.Popen([sys.executable, "-m", "milestream.cli", "process", "--config", str(config_path),
                              "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent)
+                            env=stage_environment(cfg), preexec_fn=die_with_parent)
 
 
 def wait_for_groups(consumer: RecordConsumer, wanted: set[str], timeout: float = 300.0) -> dict[str, float]:

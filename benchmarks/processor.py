@@ -35,6 +35,7 @@ import data_plane  # noqa: E402
 
 from milestream.config import Config, load_config  # noqa: E402
 from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, topic_name  # noqa: E402
+from milestream.infra.secret_env import stage_environment  # noqa: E402
 from milestream.infra.services import die_with_parent, services  # noqa: E402
 from milestream.schemas import topics  # noqa: E402
 from milestream.schemas.records import Trajectory  # noqa: E402
@@ -64,8 +65,8 @@ def serve_forward(cfg: Config) -> None:
 
 def start_forward(cfg: Config, workdir: Path) -> subprocess.Popen:
     config_path = workdir / "forward.yaml"
-    config_path.write_text(cfg.to_yaml())
-    return subprocess.Popen([sys.executable, __file__, "--serve-forward", str(config_path)],
+    config_path.write_text(cfg.to_yaml())  # without the Redis password: the app gets it in its environment
+    return subprocess.Popen([sys.executable, __file__, "--serve-forward", str(config_path)], env=stage_environment(cfg),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
 

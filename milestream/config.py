@@ -10,10 +10,12 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer, field_validator,
+                      model_validator)
 
 
 class Section(BaseModel):
@@ -33,10 +35,55 @@ class BrokerConfig(Section):
     # settings of the topics milestream creates, next to max.message.bytes (e.g. min.insync.replicas)
     topic_config: dict[str, str] = Field(default_factory=dict)
 
+    # broker.client keys that are secrets: never written out (RUN_DIR/config.yaml); infra/secret_env.py hands
+    # them to the stage processes in their environment
+    SECRET_CLIENT_KEYS: ClassVar[frozenset[str]] = frozenset({"sasl.password", "ssl.key.password"})
+
+    @field_serializer("client", when_used="json")
+    def _client_without_secrets(self, client: dict[str, str]) -> dict[str, str]:
+        return {key: value for key, value in client.items() if key not in self.SECRET_CLIENT_KEYS}
+
 
 class RedisConfig(Section):
-    url: str | None = None  # None: start an embedded redis-server
+    """Where the buffer ledger lives. A password given in the URL (``rediss://:PASSWORD@host:6380/0``) is
+    moved to ``password`` (an explicit ``redis.password``, e.g. from the environment, wins over it), so the
+    URL can be logged and written out. No validator here raises on the whole section: pydantic would echo
+    the input, the password with it, in the error."""
+
+    # None: start an embedded redis-server, which requires a password (``password``, or one made per run)
+    url: str | None = None
     key_prefix: str = "milestream"
+    # never written out (RUN_DIR/config.yaml holds null): infra/secret_env.py hands it to the stage
+    # processes as MILESTREAM__REDIS__PASSWORD
+    password: SecretStr | None = None
+    # TLS, for a rediss:// URL: the CA file (None: the system's), a client certificate and key (mutual TLS)
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _password_out_of_the_url(cls, data: Any) -> Any:
+        url = data.get("url") if isinstance(data, dict) else None
+        if not url or (parts := urlsplit(url)).password is None:
+            return data
+        credentials, _, host = parts.netloc.rpartition("@")
+        user = credentials.split(":", 1)[0]
+        stripped = urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host))
+        password = data.get("password")
+        return {**data, "url": stripped, "password": unquote(parts.password) if password is None else password}
+
+    @field_validator("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+    @classmethod
+    def _tls_needs_rediss(cls, path: str | None, info: ValidationInfo) -> str | None:
+        if path and not (info.data.get("url") or "").startswith("rediss://"):
+            raise ValueError(f"redis.{info.field_name} needs a rediss:// redis.url "
+                             "(the embedded Redis speaks plain TCP on 127.0.0.1)")
+        return path
+
+    @field_serializer("password", when_used="json")
+    def _never_written(self, password: SecretStr | None) -> None:
+        return None
 
 
 class ModelConfig(Section):

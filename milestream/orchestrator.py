@@ -27,6 +27,7 @@ from pathlib import Path
 from milestream.config import Config
 from milestream.evaluate.evaluation import finish_evaluation
 from milestream.infra.kafka import Admin
+from milestream.infra.secret_env import stage_environment
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.log.accounting import rebuild_from_broker
 from milestream.log.lineage import Lineage
@@ -42,11 +43,13 @@ log = logging.getLogger(__name__)
 
 
 class Child:
-    """A stage running as ``python -m milestream.cli COMMAND --config run_dir/config.yaml``."""
+    """A stage running as ``python -m milestream.cli COMMAND --config run_dir/config.yaml``, with the
+    configuration's secrets (which that file never holds) in its environment ``env``."""
 
-    def __init__(self, name: str, command: list[str], config_path: Path, log_dir: Path):
+    def __init__(self, name: str, command: list[str], config_path: Path, log_dir: Path, env: dict[str, str]):
         self.name = name
         self.argv = [sys.executable, "-m", "milestream.cli", *command, "--config", str(config_path)]
+        self.env = env
         self.log_path = log_dir / f"{name}.log"
         self.lives = 0
         self.start()
@@ -58,7 +61,7 @@ class Child:
             out.write(f"==== life {self.lives}\n")
             out.flush()
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=die_with_parent)
+                                         env=self.env, preexec_fn=die_with_parent)
 
     def stop(self, grace: float = 20.0) -> None:
         terminate(self.proc, grace)
@@ -83,20 +86,24 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
     prepare(cfg)
     Admin(cfg.broker).create_topics()
     BufferLedger(cfg).initialise()
-    children = [Child("archiver", ["archive"], config_path, log_dir)] if cfg.run.archive else []
-    children += [Child("loader", ["load-prompts", "--follow"], config_path, log_dir),
-                Child("processor", ["process"], config_path, log_dir)]
-    children += [Child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"], config_path, log_dir)
+    env = stage_environment(cfg)
+
+    def child(name: str, command: list[str]) -> Child:
+        return Child(name, command, config_path, log_dir, env)
+
+    children = [child("archiver", ["archive"])] if cfg.run.archive else []
+    children += [child("loader", ["load-prompts", "--follow"]), child("processor", ["process"])]
+    children += [child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"])
                  for i in range(cfg.rollout.num_workers)]
     if cfg.run.prometheus_port is not None:
         port = cfg.run.prometheus_port or free_port()
-        children.append(Child("metrics", ["metrics", "--serve", "--prometheus-port", str(port),
-                                          "--jsonl", str(cfg.run_path / "metrics.jsonl")], config_path, log_dir))
+        children.append(child("metrics", ["metrics", "--serve", "--prometheus-port", str(port),
+                                          "--jsonl", str(cfg.run_path / "metrics.jsonl")]))
         print(f"Prometheus metrics: http://127.0.0.1:{port}/metrics", flush=True)
-    children.append(Child("verifier", ["verify-weights"], config_path, log_dir))
+    children.append(child("verifier", ["verify-weights"]))
     if cfg.eval.mode in ("dedicated", "external"):  # eval.mode shared runs inside the rollout workers
-        children.append(Child("evaluator", ["eval"], config_path, log_dir))
-    trainer = Child("trainer", ["train"], config_path, log_dir)
+        children.append(child("evaluator", ["eval"]))
+    trainer = child("trainer", ["train"])
     return children + [trainer], trainer
 
 
@@ -229,7 +236,7 @@ def run_loop(cfg: Config) -> dict:
     printed_evals: set[tuple[str, int, float]] = set()
     with embedded(cfg) as live:
         config_path = run_dir / "config.yaml"
-        config_path.write_text(live.cfg.to_yaml())
+        config_path.write_text(live.cfg.to_yaml())  # without secrets: the stages get them in their environment
         if cfg.run.archive and not cfg.broker.bootstrap_servers and (run_dir / "archive" / "manifest.json").exists():
             # an embedded Redis started with this process: it holds nothing of the run
             resume_from_archive(live.cfg, run_dir, fresh_ledger=live.redis is not None)

@@ -3,6 +3,7 @@ topic and key namespace on them; the tiny random policy, its tokenizer, and engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from milestream.config import Config, ModelConfig, RolloutConfig
 from milestream.engines.engine import CpuEngine
 from milestream.infra.kafka import Admin
 from milestream.infra.model import load_tokenizer
-from milestream.infra.services import services
+from milestream.infra.services import EmbeddedRedis, services
 from milestream.streams.ledger import BufferLedger
 
 _namespaces = itertools.count()
@@ -22,13 +23,20 @@ _namespaces = itertools.count()
 
 @pytest.fixture(scope="session")
 def live_services() -> Iterator[Config]:
-    """The embedded broker and Redis, or existing ones named by MILESTREAM_BOOTSTRAP / MILESTREAM_REDIS."""
-    base = Config().with_overrides(
-        broker={"bootstrap_servers": os.environ.get("MILESTREAM_BOOTSTRAP")},
-        redis={"url": os.environ.get("MILESTREAM_REDIS")},
-    )
-    with services(base) as live:
-        yield live
+    """The embedded broker and Redis, or existing ones named by MILESTREAM_BOOTSTRAP / MILESTREAM_REDIS.
+
+    This Redis takes no password (unlike the one `milestream run` starts): tests write ``cfg.to_yaml()``,
+    which never holds one, and start stages on it. tests/infra/test_redis_auth.py starts its own."""
+    with contextlib.ExitStack() as stack:
+        redis_url = os.environ.get("MILESTREAM_REDIS")
+        if not redis_url:
+            server = EmbeddedRedis(password=None).start()
+            stack.callback(os.unlink, server.logfile.name)
+            stack.callback(server.stop)
+            redis_url = server.url
+        base = Config().with_overrides(broker={"bootstrap_servers": os.environ.get("MILESTREAM_BOOTSTRAP")},
+                                       redis={"url": redis_url})
+        yield stack.enter_context(services(base))
 
 
 @pytest.fixture

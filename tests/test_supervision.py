@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import redis
-
 from milestream.config import load_config
+from milestream.infra.redis_client import redis_client
 from chaos import broker_pids, redis_pids, sigkill, stage_pids
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 from holds import Holds
@@ -149,7 +148,7 @@ def test_redis_killed_mid_run_comes_back_with_the_ledger_rebuilt_from_the_log(cf
     checkpointed; the batch's groups already left the queue in Redis, though the checkpoint has not
     seen them): the run stops its stages, starts an empty Redis, rebuilds the ledger from the broker's
     topics, rollout's committed offsets and the trainer's checkpoint, and finishes with its credit balanced."""
-    cfg = cfg.with_overrides(redis={"url": None},  # its own embedded Redis, to kill
+    cfg = cfg.with_overrides(redis={"url": None, "password": "supervision"},  # its own embedded Redis, to kill
                              trainer={"steps": 6, "checkpoint_every": 1}, run={"max_wall_s": 400})
     run_dir = Path(cfg.run.run_dir)
     holds = Holds.enable(monkeypatch, tmp_path)
@@ -157,8 +156,8 @@ def test_redis_killed_mid_run_comes_back_with_the_ledger_rebuilt_from_the_log(cf
     runner, outcome = start_run(cfg)
     try:
         trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer held at step 2"))
-        live = load_config(run_dir / "config.yaml")
-        server = redis.Redis.from_url(live.redis.url)
+        live = load_config(run_dir / "config.yaml").with_overrides(redis={"password": "supervision"})
+        server = redis_client(live.redis)
         # no snapshot, no append-only file, nothing in its folder: what comes back comes from the log
         assert server.config_get("save") == {"save": ""} and server.config_get("appendonly") == {"appendonly": "no"}
         assert not list(Path(server.config_get("dir")["dir"]).iterdir())

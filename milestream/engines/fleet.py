@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from milestream.config import Config
+from milestream.infra.secret_env import stage_environment
 from milestream.infra.services import die_with_parent
 
 
@@ -24,12 +25,12 @@ def serve_engines(cfg: Config, *, host: str, port: int, engine_id: str, count: i
     its ``engine ID serving URL`` line; when one exits, the others are stopped. Returns the worst exit code."""
     with tempfile.TemporaryDirectory(prefix="milestream-engines-") as folder:
         config = Path(folder) / "config.yaml"
-        config.write_text(cfg.to_yaml())
-        running = {}
+        config.write_text(cfg.to_yaml())  # without secrets: the engines get them in their environment
+        running, env = {}, stage_environment(cfg)
         for index in range(count):
             argv = [sys.executable, "-m", "milestream.cli", "engine", "--config", str(config), "--host", host,
                     "--port", str(port + index if port else 0), "--engine-id", f"{engine_id}-{index}"]
-            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
             running[child.pid] = child
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: _terminate(running.values()))

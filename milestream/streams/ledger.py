@@ -36,9 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-import redis
-
 from milestream.config import Config
+from milestream.infra.redis_client import redis_client
 
 SENDING, SETTLED = "sending", "settled"
 EMITTED = "emitted"  # a settlement's outcome; any other outcome is a drop reason
@@ -150,7 +149,7 @@ class Reconciled:
 
 class BufferLedger:
     def __init__(self, cfg: Config):
-        self.client = redis.Redis.from_url(cfg.redis.url, socket_timeout=10)
+        self.client = redis_client(cfg.redis, socket_timeout=10)
         self.keys = LedgerKeys.of(cfg)
         self.capacity = cfg.buffer_capacity
         self._admit = self.client.register_script(_ADMIT)

@@ -1,16 +1,21 @@
 """broker.client (librdkafka settings: SASL/SSL) reaches every Kafka client, and MILESTREAM__ variables
-reach the configuration. No SASL broker is needed: the tests look at the clients' configuration."""
+reach the configuration. No SASL or TLS broker can be started here (tansu 0.6.0 authenticates no one and
+serves no TLS: README, "Authentication"): the tests look at the clients' configuration, what faust hands
+aiokafka included, and take the TLS settings through a real handshake with a TLS server that is not Kafka."""
 import ast
+import asyncio
+import socket
 import ssl
 from pathlib import Path
 
 import certifi
 import pytest
+from certs import make_certificates, tls_redis_server
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from milestream.config import Config, load_config
 from milestream.infra.kafka import Admin, KafkaException, RecordConsumer, RecordProducer, client_config
-from milestream.infra.security import faust_credentials
+from milestream.infra.security import faust_credentials, ssl_context
 from milestream.schemas import topics
 from milestream.streams.processor import ProcessorApp, app_id, faust_settings
 
@@ -99,3 +104,64 @@ def test_every_kafka_client_in_the_package_is_built_from_broker_settings():
                 f"{path}:{call.lineno} builds a faust app without faust_settings"
             built += 1
     assert built >= 5
+
+
+def _clients_of_the_processor(cfg: Config) -> list:
+    """The aiokafka producer and consumer faust builds for the processor app (not started: no broker)."""
+    async def build() -> list:
+        app = ProcessorApp(app_id(cfg), **faust_settings(cfg))
+        built = [app.producer._new_producer(), app.consumer._thread._create_worker_consumer(app.transport)]
+        clients = [built[0].client, built[1]._client]
+        for client in built:
+            await client.stop()
+        return clients
+    return asyncio.run(build())
+
+
+@pytest.mark.parametrize("protocol, mechanism", [
+    ("SASL_PLAINTEXT", "PLAIN"), ("SASL_SSL", "SCRAM-SHA-256"), ("SASL_SSL", "SCRAM-SHA-512"), ("SSL", None)])
+def test_the_processor_producer_and_consumer_get_the_security_settings(protocol, mechanism, tmp_path):
+    certs = make_certificates(tmp_path)
+    client = {"security.protocol": protocol, "ssl.ca.location": str(certs.ca)}
+    if mechanism:
+        client |= {"sasl.mechanism": mechanism, "sasl.username": "trainer", "sasl.password": "s3cret"}
+    else:  # mutual TLS: a client certificate instead of SASL
+        client |= {"ssl.certificate.location": str(certs.client_cert), "ssl.key.location": str(certs.client_key)}
+    for kafka in _clients_of_the_processor(cluster_config(client)):
+        assert kafka._bootstrap_servers == ["kafka-1:9092", "kafka-2:9092", "kafka-3:9092"]
+        assert (kafka._security_protocol, kafka._sasl_mechanism if mechanism else None) == (protocol, mechanism)
+        if mechanism:
+            assert (kafka._sasl_plain_username, kafka._sasl_plain_password) == ("trainer", "s3cret")
+        assert (kafka._ssl_context is None) == (protocol == "SASL_PLAINTEXT")
+        if kafka._ssl_context is not None:
+            assert [ca["subject"] for ca in kafka._ssl_context.get_ca_certs()] == [((("commonName", "milestream-test-ca"),),)]
+
+
+def test_the_tls_settings_make_a_mutual_tls_handshake_with_a_real_server(tmp_path):
+    """No TLS Kafka broker can be started here (README, "Authentication"): a TLS-only Redis that requires a
+    client certificate stands in as the server. The context the processor's aiokafka clients get completes the
+    handshake and authenticates; without the certificate it is refused. librdkafka loads the same files."""
+    with tls_redis_server(tmp_path, "tls-secret") as (port, certs):
+        client = {"security.protocol": "SSL", "ssl.ca.location": str(certs.ca),
+                  "ssl.certificate.location": str(certs.client_cert), "ssl.key.location": str(certs.client_key)}
+        assert _tls_exchange(port, ssl_context(client), b"AUTH tls-secret\r\nPING\r\n").startswith(b"+OK\r\n+PONG")
+        without_certificate = {k: v for k, v in client.items() if not k.startswith(("ssl.certificate", "ssl.key"))}
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            _tls_exchange(port, ssl_context(without_certificate), b"PING\r\n")
+            pytest.fail("a client without a certificate was let in")
+    RecordProducer(cluster_config(client).broker)  # librdkafka reads the CA, certificate and key when built
+    with pytest.raises(KafkaException, match="ssl.key.location"):
+        RecordProducer(cluster_config({**client, "ssl.key.location": str(tmp_path / "missing.key")}).broker)
+
+
+def _tls_exchange(port: int, context: ssl.SSLContext, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            tls.sendall(request)
+            answer = b""
+            while not answer.endswith(b"\r\n") or answer.count(b"\r\n") < request.count(b"\r\n"):
+                chunk = tls.recv(200)
+                if not chunk:
+                    raise ConnectionError("the server closed the connection")
+                answer += chunk
+            return answer

@@ -2,20 +2,20 @@ import subprocess
 import sys
 
 import pytest
-import redis
 
 from milestream.cli import main
 from milestream.config import Config, load_config
 from milestream.infra.kafka import Admin
+from milestream.infra.redis_client import redis_client
 from milestream.infra.services import EmbeddedBroker, EmbeddedRedis
 from milestream.schemas import topics
 
 
 def test_embedded_services_start_answer_and_stop():
-    broker, server = EmbeddedBroker().start(), EmbeddedRedis().start()
+    broker, server = EmbeddedBroker().start(), EmbeddedRedis(password="p").start()
     try:
         assert Admin(Config().broker.model_copy(update={"bootstrap_servers": broker.bootstrap_servers})).list_topics() == {}
-        assert redis.Redis.from_url(server.url).ping()
+        assert redis_client(server.config).ping()
     finally:
         broker.stop()
         server.stop()

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from milestream.config import Config, import_path, load_config
+from milestream.infra.secret_env import stage_environment
 from milestream.train.backends.base import check_backend
 
 _STOP_GRACE_S = 30.0
@@ -40,16 +41,17 @@ def launch(cfg: Config, entry: str, nproc: int = 2, timeout_s: float | None = No
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     with tempfile.TemporaryDirectory(prefix="milestream-launch-") as folder:
         config_file = Path(folder) / "config.yaml"
-        config_file.write_text(cfg.to_yaml())
+        config_file.write_text(cfg.to_yaml())  # without secrets: the ranks get them in their environment
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    "-m", "milestream.train.backends", entry, str(config_file)]
-        _run_torchrun(command, timeout_s)
+        _run_torchrun(command, timeout_s, stage_environment(cfg))
 
 
-def _run_torchrun(command: list[str], timeout_s: float | None) -> None:
+def _run_torchrun(command: list[str], timeout_s: float | None, env: dict[str, str]) -> None:
     from milestream.infra.services import die_with_parent
 
-    process = subprocess.Popen(command, preexec_fn=die_with_parent)  # a killed trainer takes its ranks along
+    # a killed trainer takes its ranks along
+    process = subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
     try:
         code = process.wait(timeout=timeout_s)
     except BaseException:
