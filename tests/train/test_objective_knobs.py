@@ -7,14 +7,14 @@ import math
 
 import pytest
 import torch
+from batches import group, tiny
 from torch import nn
 
-from milestream.config import Config, TrainerConfig
-from milestream.infra.model import configure_process, load_model
-from milestream.schemas.records import GroupSample
+from milestream.config import TrainerConfig
+from milestream.infra.model import load_model
 from milestream.train.backends.base import apply_update
 from milestream.train.estimators import AdvantageInputs, AdvantageOptions, advantage_options, compute_advantages
-from milestream.train.learner import CollectedGroup, Learner
+from milestream.train.learner import Learner
 from milestream.train.losses import (Denominators, LossInput, PolicyLoss, Regularized, kl_estimate, log_ratio,
                                      make_loss, reduce_loss, step_figures, supervised_loss)
 from milestream.train.tensor_ops import token_logprobs_and_entropy
@@ -240,22 +240,6 @@ def test_apply_update_skips_a_non_finite_gradient_norm():
     layer(torch.ones(1, 2)).sum().backward()
     assert not apply_update(optimizer, {"loss": 1.0}, 1.0).update_skipped
     assert not torch.equal(before["bias"], layer.bias.detach())
-
-
-def group(gid: str, prompt: list[int], rows: list[tuple[int, float]]) -> CollectedGroup:
-    """(response length, reward) per sample; every token on the mask, rollout log-prob -2."""
-    samples = [GroupSample(f"{gid}/{i}", gid, gid, i, len(rows), prompt, [5 + i + t for t in range(length)],
-                           [1] * length, [0] * length, reward, "completed", "", "e", "w", 0.0, 0.0,
-                           logprobs=[-2.0] * length)
-               for i, (length, reward) in enumerate(rows)]
-    return CollectedGroup(gid, samples, 0)
-
-
-def tiny(**trainer) -> Config:
-    cfg = Config().with_overrides(model={"name": "tiny-random", "dtype": "float32"}, rollout={"max_new_tokens": 5},
-                                  trainer={"lr": 1e-2, **trainer})
-    configure_process(cfg.model)
-    return cfg
 
 
 @pytest.mark.parametrize("reduction, expected", [

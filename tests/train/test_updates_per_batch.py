@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import group, tiny
 
 from milestream.config import Config
 from milestream.infra.model import configure_process
-from milestream.schemas.records import GroupSample
 from milestream.train.backends import launch
 from milestream.train.learner import CollectedGroup, Learner, PromptRows, minibatches
 from milestream.train.logprobs import pad
@@ -21,22 +21,6 @@ from milestream.train.losses import Denominators, LossInput, LossOutput, reduce_
 
 A = [(3, 1.0), (1, -2.0)]  # (response length, reward) per sample: rows -3, +2 with raw rewards
 B = [(2, 0.5), (2, 0.0)]  # rows -1, 0
-
-
-def group(gid: str, prompt: list[int], rows: list[tuple[int, float]]) -> CollectedGroup:
-    """Every token on the mask, rollout log-prob -2."""
-    samples = [GroupSample(f"{gid}/{i}", gid, gid, i, len(rows), prompt, [5 + i + t for t in range(length)],
-                           [1] * length, [0] * length, reward, "completed", "", "e", "w", 0.0, 0.0,
-                           logprobs=[-2.0] * length)
-               for i, (length, reward) in enumerate(rows)]
-    return CollectedGroup(gid, samples, 0)
-
-
-def tiny(**trainer) -> Config:
-    cfg = Config().with_overrides(model={"name": "tiny-random", "dtype": "float32"}, rollout={"max_new_tokens": 5},
-                                  trainer={"lr": 1e-2, **trainer})
-    configure_process(cfg.model)
-    return cfg
 
 
 @dataclass
