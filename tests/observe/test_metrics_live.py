@@ -18,7 +18,7 @@ def test_live_view_from_the_topics(cfg, capsys, monkeypatch):
     expected = {  # the run's own knobs (3 steps, capacity 4) come from its config.yaml
         "step 4/3 step time 10.0 s loss -0.0400",
         "reward 0.400 last step, 0.250 mean of the last 4",
-        "staleness mean 1.50 max 2 (bound 2)",
+        "staleness mean 1.50 max 2 (bound 2, async)",
         "throughput 32 trained tokens/s",  # 32 samples x 10 tokens over the 10 s since step 3
         "queue 3 of 4 groups partial 1 credit 3",
         "drops filtered 1 stale 2",  # g1 was dropped (and resent) once
