@@ -31,6 +31,7 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
                         redone step counts: it is work done) that overlaps [kill, kill + --window-s] of a
                         rollout-worker kill (max_gap_after_kill_s:
                         the same for every target)
+  rollout_kill_gaps     per rollout-worker kill: its longest gap, and what else was killed near it
   baseline_median_gap_s the median interval between two steps with no kill of anything within that
                         window, in the same run; gap_ratio = max_gap_after_rollout_kill_s / it
 
@@ -198,8 +199,25 @@ def step_gaps(step_ts: list[float], kills: list[tuple[float, str]], window_s: fl
     baseline = statistics.median(quiet) if quiet else None
     rollout = longest.get("rollout")
     return {"max_gap_after_rollout_kill_s": rollout, "max_gap_after_kill_s": longest,
+            "rollout_kill_gaps": rollout_kill_gaps(intervals, kills, window_s),
             "baseline_median_gap_s": round(baseline, 2) if baseline else None, "baseline_intervals": len(quiet),
             "gap_ratio": round(rollout / baseline, 2) if rollout and baseline else None}
+
+
+def rollout_kill_gaps(intervals: list[tuple[float, float]], kills: list[tuple[float, str]],
+                      window_s: float) -> list[dict]:
+    """Per rollout-worker kill: the longest step interval overlapping its window, and the other targets
+    killed within that interval or window (a Redis or broker kill there restarts every stage: the gap is
+    then theirs as much as the worker's)."""
+    out = []
+    for t, name in kills:
+        if name != "rollout":
+            continue
+        overlapping = [(b - a, a, b) for a, b in intervals if b > t and a < t + window_s]
+        gap, start, end = max(overlapping, default=(0.0, t, t + window_s))
+        others = sorted({n for u, n in kills if n != "rollout" and start - window_s < u < max(end, t + window_s)})
+        out.append({"gap_s": round(gap, 2), "also_killed": others})
+    return out
 
 
 def complete_without_outcome(run_dir: Path, group_size: int, decided: set[str]) -> int:
