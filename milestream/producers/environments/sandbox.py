@@ -8,8 +8,8 @@ Every tool call runs ``python -I`` (this interpreter) in a sandbox of its own ma
   Redis) and everything beyond are out of reach of Python, subprocesses and native code alike;
 - a read-only system: ``/usr`` with the ``/bin``, ``/lib*`` links, this interpreter's installation
   and its virtual environment; no ``/etc``, no home, no repository, no run folder;
-- one writable place, the episode's folder, mounted as ``/tmp`` (its working folder, HOME and
-  TMPDIR); the root and ``/dev`` are remounted read-only;
+- one writable place, the episode's folder, mounted as ``/sandbox`` (its working folder, HOME and
+  TMPDIR) with ``/tmp`` a link to it; the root and ``/dev`` are remounted read-only;
 - a ``/proc`` of its own PID namespace, so no other process's environment to read; its own
   environment is empty but PATH, HOME, TMPDIR and LANG;
 - limits set before its code runs: CPU seconds, address space (``RLIMIT_AS``), file size and
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 TOOL_UID = 1000  # the tool's uid and gid inside the sandbox
 NOBODY = 65534  # the host uid and gid they map to when the worker runs as root
-INSIDE = "/tmp"  # where the episode's folder appears in the sandbox
+INSIDE = "/sandbox"  # where the episode's folder appears in the sandbox (and /tmp, where free: see _tmp_alias)
 # hang guards only: bubblewrap's own set-up and tear-down take milliseconds
 SETUP_GUARD_S = 60.0
 PROBE_TIMEOUT_S = 60.0
@@ -249,7 +249,7 @@ def _bwrap_command(bwrap: str, folder: Path, limits: SandboxLimits, userns: int 
             "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
             "--clearenv", *[arg for name, value in environment.items() for arg in ("--setenv", name, value)],
             *_system_mounts(),
-            "--bind", str(folder), INSIDE, "--proc", "/proc", "--dev", "/dev",
+            "--bind", str(folder), INSIDE, *_tmp_alias(), "--proc", "/proc", "--dev", "/dev",
             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/",
             "--", sys.executable, "-I", "-c", _GUARD,
             *_guard_args(limits, str(TOOL_UID) if userns is not None else "", limits.max_processes, INSIDE)]
@@ -267,7 +267,7 @@ def _system_mounts() -> tuple[str, ...]:
             mounts += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             mounts += ["--ro-bind", top, top]
-    roots = sorted({os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)})
+    roots = _interpreter_roots()
     made = {"/"}
     for root in roots:
         if root == "/usr" or root.startswith("/usr/") or any(root.startswith(other + "/") for other in roots):
@@ -278,6 +278,19 @@ def _system_mounts() -> tuple[str, ...]:
                 made.add(str(parent))
         mounts += ["--ro-bind", root, root]
     return tuple(mounts)
+
+
+def _interpreter_roots() -> list[str]:
+    return sorted({os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)})
+
+
+@functools.cache
+def _tmp_alias() -> tuple[str, ...]:
+    """/tmp as a link to the episode's folder, so tool code writing to /tmp writes there; unless the
+    interpreter lives under /tmp (a checkout in /tmp), whose read-only mount then holds /tmp."""
+    if any(root == "/tmp" or root.startswith("/tmp/") for root in _interpreter_roots()):
+        return ()
+    return ("--symlink", INSIDE, "/tmp")
 
 
 @contextlib.contextmanager
