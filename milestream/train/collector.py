@@ -4,8 +4,9 @@ Groups read from ``buffer.groups`` wait in a local pool; a data selector (an imp
 each batch from the pool. At collection a group past the staleness window (``cfg.staleness_bound``: 0 in
 the sync schedule, 1 in one_step) is dropped onto ``buffer.dropped`` (Miles' third drop rule). A group
 leaves the buffer — its credit returns — when it is taken or dropped; in the sync and one_step schedules
-the version floor is raised first, so the credit of a batch admits only prompts a new enough engine takes. The offsets to checkpoint stop below the oldest group still in the pool, so a
-resumed trainer re-reads what it had not used, and skips by id what it had.
+the version floor is raised first, so the credit of a batch admits only prompts a new enough engine takes.
+The offsets to checkpoint stop below the oldest group still in the pool, so a resumed trainer re-reads
+what it had not used, and skips by id what it had.
 """
 from __future__ import annotations
 
