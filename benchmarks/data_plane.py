@@ -49,6 +49,13 @@ def make_group(index: int, group_size: int, prompt_tokens: int, response_tokens:
     return gid, records
 
 
+def admit(cfg: Config, groups) -> None:
+    """Admit the groups as a rollout worker would: the processor takes records of admitted groups only."""
+    ledger = BufferLedger(cfg)
+    for gid, _ in groups:
+        ledger.admit(gid, "bench", 0)
+
+
 def publish(producer: RecordProducer, gid: str, records) -> None:
     for spec, value, cls in records:
         producer.send_raw(spec, value, gid, headers_for(cls))
@@ -133,9 +140,11 @@ def main() -> None:
     paced = [make(args.groups + i) for i in range(args.latency_groups)]
     payload_bytes = sum(len(v) for _, records in burst for _, v, _ in records)
     with services(Config()) as live, tempfile.TemporaryDirectory() as workdir:
-        cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, broker={"topic_prefix": "bench."})
+        cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, broker={"topic_prefix": "bench."},
+                                  rollout={"group_size": args.group_size})
         Admin(cfg.broker).create_topics([*topics.CATALOGUE, RAW])
         BufferLedger(cfg).initialise()
+        admit(cfg, warmup + burst + paced)
         processor = start_processor(cfg, Path(workdir))
         producer = RecordProducer(cfg.broker, client_id="bench")
         consumer = RecordConsumer(cfg.broker, topics.GROUPS, "bench-trainer").assign(partitions=range(cfg.broker.partitions))

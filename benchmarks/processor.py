@@ -154,11 +154,13 @@ def main() -> None:
     paced = [make(args.groups + i) for i in range(args.latency_groups)]
     per_group = 2 * args.group_size  # source records of one group: its trajectories and log-probs
     with services(Config()) as live, tempfile.TemporaryDirectory() as workdir:
-        processor_cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, broker={"topic_prefix": "bench-processor."})
+        processor_cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, rollout={"group_size": args.group_size},
+                                            broker={"topic_prefix": "bench-processor."})
         forward_cfg = live.with_overrides(broker={"topic_prefix": "bench-forward."})
         for cfg in (processor_cfg, forward_cfg):
             Admin(cfg.broker).create_topics([*topics.CATALOGUE, FORWARDED])
         BufferLedger(processor_cfg).initialise()
+        data_plane.admit(processor_cfg, [warmup, *burst, *paced])
         processor_s, latencies = measure(processor_cfg, lambda: data_plane.start_processor(processor_cfg, Path(workdir)),
                                          topics.GROUPS, 1, warmup, burst, paced, args.rate)
         forward_s, forward_latencies = measure(forward_cfg, lambda: start_forward(forward_cfg, Path(workdir)),

@@ -3,6 +3,7 @@
     start broker and Redis (or use the given ones), create the topics, fill the credit
     publish prompts; start the processor, the rollout workers and the trainer
     follow buffer.metrics, buffer.dropped and eval.results, print each trainer step and each evaluation
+    (dead-lettering a record none of the stages wrote: log/lineage.py check_observed)
     when the trainer finishes: stop everything, evaluate the version it ended on unless an evaluator
     did (evaluate/evaluation.py ``finish_evaluation``), write summary.json and the plot
     (an archiver, started first and stopped last, keeps every topic on disk; a run started again
@@ -26,17 +27,18 @@ from pathlib import Path
 
 from milestream.config import Config
 from milestream.evaluate.evaluation import finish_evaluation
-from milestream.infra.kafka import Admin
+from milestream.infra.kafka import Admin, RecordProducer
 from milestream.infra.secret_env import stage_environment
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.log.accounting import rebuild_from_broker
-from milestream.log.lineage import Lineage
+from milestream.log.lineage import Lineage, check_observed
 from milestream.observe.feed import TopicFeed
 from milestream.producers.worker import EXIT_GAVE_UP
 from milestream.observe.report import write_report
 from milestream.producers.inputs import check_inputs
 from milestream.schemas import topics
-from milestream.schemas.records import EvalResult, Metrics
+from milestream.schemas.codec import Position
+from milestream.schemas.records import EvalResult, Metrics, Record
 from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,9 @@ def prepare(cfg: Config) -> None:
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
     prepare(cfg)
     Admin(cfg.broker).create_topics()
-    BufferLedger(cfg).initialise()
+    ledger = BufferLedger(cfg)
+    ledger.initialise()
+    ledger.raise_trainer_version(0)  # from the start, an announcement past the trainer's version is refused
     env = stage_environment(cfg)
 
     def child(name: str, command: list[str]) -> Child:
@@ -118,7 +122,19 @@ class Monitor:
     def __init__(self, cfg: Config, printed: set[int], printed_evals: set[tuple[str, int, float]], started: float):
         self.cfg, self.printed, self.printed_evals, self.started = cfg, printed, printed_evals, started
         self.lineage = Lineage()
-        self.feed = TopicFeed(cfg, "run-monitor", specs=(topics.METRICS, topics.DROPPED, topics.EVAL_RESULTS))
+        self.ledger = BufferLedger(cfg)
+        # the stage that reads these topics in every run: it dead-letters what none of the run's stages wrote
+        self.producer = RecordProducer(cfg.broker, client_id="run-monitor")
+        self.feed = TopicFeed(cfg, "run-monitor", specs=(topics.METRICS, topics.DROPPED, topics.EVAL_RESULTS),
+                              deadletter=self.producer, check=self._check)
+
+    def _check(self, records: list[Record], position: Position) -> None:
+        def sent(group_id: str) -> bool:
+            return self.ledger.settlement(group_id) is not None
+
+        for record in records:
+            check_observed(record, position, self.cfg.trainer.steps, self.cfg.trainer.batch_groups, sent,
+                           self.cfg.eval.mode is not None)
 
     def poll(self, drain: bool = False) -> None:
         """Take what arrived (everything there is, with ``drain``), printing each trainer step once."""
@@ -134,6 +150,7 @@ class Monitor:
 
     def close(self) -> None:
         self.feed.close()
+        self.producer.flush()
 
 
 def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child, stopping: bool = False) -> None:

@@ -13,6 +13,7 @@ from milestream.log.reader import BrokerSource
 from milestream.observe.recompute import replay_step
 from milestream.schemas import topics
 from milestream.schemas.records import LogProbs, Trajectory
+from milestream.streams.ledger import BufferLedger
 
 PLUGINS = str(Path(__file__).parent / "plugins")
 
@@ -20,6 +21,7 @@ PLUGINS = str(Path(__file__).parent / "plugins")
 def inject_aborted_group(cfg) -> str:
     producer = RecordProducer(cfg.broker)
     group = "injected-aborted#0"
+    BufferLedger(cfg).admit(group, "test", 0)  # as a rollout worker does first: the processor takes only admitted groups
     for i in range(cfg.rollout.group_size):
         status = "aborted" if i == 1 else "completed"
         producer.send(topics.TRAJECTORIES, [Trajectory(f"{group}/{i}", group, "injected-0", i, cfg.rollout.group_size,

@@ -22,6 +22,7 @@ status ``skipped``, score NaN and the reason in ``detail``; the consumer and tra
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -38,12 +39,16 @@ from transformers import PreTrainedTokenizerBase
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer, stop_token_ids
+from milestream.log.lineage import check_observed
 from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, GenerateResult, SamplingParams
 from milestream.producers.data import held_out, prompt_messages, sources
 from milestream.producers.rewards import RewardSample, load_reward
 from milestream.producers.tasks import chat_input_ids
 from milestream.schemas import topics
+from milestream.schemas.codec import Position
 from milestream.schemas.records import EvalResult, Prompt, WeightVersion
+from milestream.streams.ledger import BufferLedger
+from milestream.streams.versions import version_check
 from milestream.streams.weights.base import TRANSPORTS, make_receiver
 
 log = logging.getLogger(__name__)
@@ -203,8 +208,8 @@ class SharedEvaluation:
         self._open.set()
         self._applied: int | None = None  # the newest version this engine applied (0: the initial weights)
         self.heldout = HeldOut(cfg, tokenizer)
-        self.feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{worker_id}-eval-steps")
-                                .assign(partitions=[0]), keep=False)
+        self.feed = VersionFeed(versions_reader(cfg, f"{worker_id}-eval-steps", self.producer).assign(partitions=[0]),
+                                keep=False)
 
     async def admission(self) -> None:
         """Returns at once unless an evaluation runs; then when it is over."""
@@ -250,8 +255,7 @@ class EvaluationLoop:
     def __init__(self, cfg: Config, evaluation: VersionEvaluation):
         self.cfg, self.evaluation = cfg, evaluation
         self.producer = RecordProducer(cfg.broker, client_id=f"eval-{cfg.eval.mode}")
-        consumer = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{cfg.broker.topic_prefix}eval-{cfg.eval.mode}",
-                                  deadletter=self.producer)
+        consumer = versions_reader(cfg, f"{cfg.broker.topic_prefix}eval-{cfg.eval.mode}", self.producer)
         # assigned, not subscribed: a lone reader needs no group join (seconds on tansu), only its committed offset
         self.feed = VersionFeed(consumer.assign(consumer.committed([0]), partitions=[0]))
         self.pending: deque[tuple[WeightVersion, int]] = deque()
@@ -333,8 +337,11 @@ def finish_evaluation(cfg: Config) -> tuple[list[EvalResult], list[EvalResult]]:
     late: the newest version on ``weights.versions`` with no result is evaluated here, by an in-process
     engine loading it from the run folder (``EngineEvaluation``; the user's evaluator in external mode),
     and published like any other result, or as ``skipped`` with the reason."""
-    results = read_all(cfg, topics.EVAL_RESULTS)
-    versions = read_all(cfg, topics.WEIGHT_VERSIONS)
+    producer = RecordProducer(cfg.broker, client_id="eval-run-end")
+    results = read_all(cfg, RecordConsumer(cfg.broker, topics.EVAL_RESULTS, f"{cfg.broker.topic_prefix}run-end-eval",
+                                           deadletter=producer, check=functools.partial(_check_result, cfg)))
+    versions = read_all(cfg, versions_reader(cfg, f"{cfg.broker.topic_prefix}run-end-eval", producer))
+    producer.flush()
     newest = max(reversed(versions), key=lambda record: record.version, default=None)  # a redone step: its last record
     if newest is None or any(result.version == newest.version for result in results):
         return results, []
@@ -342,8 +349,19 @@ def finish_evaluation(cfg: Config) -> tuple[list[EvalResult], list[EvalResult]]:
     return results + new, new
 
 
-def read_all(cfg: Config, spec: topics.TopicSpec) -> list:
-    consumer = RecordConsumer(cfg.broker, spec, f"{cfg.broker.topic_prefix}run-end-eval").assign(partitions=[0])
+def versions_reader(cfg: Config, group_id: str, producer: RecordProducer) -> RecordConsumer:
+    """A reader of weights.versions that dead-letters what the run's trainer did not announce."""
+    return RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, group_id, deadletter=producer,
+                          check=version_check(cfg, BufferLedger(cfg)))
+
+
+def _check_result(cfg: Config, records: list[EvalResult], position: Position) -> None:
+    for record in records:  # the run monitor dead-lettered these already: here they are only passed over
+        check_observed(record, position, cfg.trainer.steps, cfg.trainer.batch_groups, lambda _: True, True)
+
+
+def read_all(cfg: Config, consumer: RecordConsumer) -> list:
+    consumer.assign(partitions=[0])
     try:
         return [record for delivery in consumer.drain(idle_s=1.0, max_wait_s=30.0) for record in delivery.records]
     finally:
@@ -352,8 +370,8 @@ def read_all(cfg: Config, spec: topics.TopicSpec) -> list:
 
 async def evaluate_once(cfg: Config, record: WeightVersion) -> list[EvalResult]:
     producer = RecordProducer(cfg.broker, client_id="eval-run-end")
-    feed = VersionFeed(RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"{cfg.broker.topic_prefix}run-end-eval")
-                       .assign(partitions=[0]), keep=False)
+    feed = VersionFeed(versions_reader(cfg, f"{cfg.broker.topic_prefix}run-end-eval", producer).assign(partitions=[0]),
+                       keep=False)
     evaluations: list[VersionEvaluation] = []
 
     async def evaluate() -> list[Score]:

@@ -95,11 +95,21 @@ class RecordProducer:
         self.send_raw(spec, encode(records), key, headers_for(spec.record))
 
     def send_raw(self, spec: topics.TopicSpec, value: bytes | None, key: str | bytes | None,
-                 headers: list[tuple[str, bytes]] | None = None) -> None:
+                 headers: list[tuple[str, bytes]] | None = None,
+                 delivered: Callable[[Position | KafkaError], None] | None = None) -> None:
+        """Any bytes (or none) as the value. ``delivered`` gets where the value landed, or the broker's
+        refusal (a value over the topic's max.message.bytes); without it a refusal raises."""
         topic = topic_name(self.cfg, spec)
+
+        def on_delivery(err, msg) -> None:
+            if delivered is None:
+                _raise_on_error(err, msg)
+            else:
+                delivered(err if err is not None else Position(msg.topic(), msg.partition(), msg.offset()))
+
         while True:
             try:
-                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=_raise_on_error)
+                self.producer.produce(topic, value=value, key=key, headers=headers, on_delivery=on_delivery)
                 break
             except BufferError:  # local queue full: let deliveries drain
                 self.producer.poll(0.05)
@@ -129,14 +139,21 @@ class Delivery(Generic[R]):
     key: bytes | None
     records: list[R]
     ts: float  # broker timestamp, seconds
+    value: bytes | None = None  # as it came: what a dead letter of a record found wrong later carries
+
+
+Check = Callable[[list[R], Position], None]  # raises RecordError naming the field a record got wrong
 
 
 class RecordConsumer(Generic[R]):
-    """Consumes one topic's records; offsets are the caller's to commit or to store."""
+    """Consumes one topic's records; offsets are the caller's to commit or to store.
+
+    ``check``: the reader's own rules for what it takes (a value that decodes can still be hostile); a
+    value that breaks one is dead-lettered like one that does not decode."""
 
     def __init__(self, cfg: BrokerConfig, spec: topics.TopicSpec, group_id: str,
-                 deadletter: RecordProducer | None = None, **extra: str):
-        self.cfg, self.spec, self.deadletter = cfg, spec, deadletter
+                 deadletter: RecordProducer | None = None, check: Check | None = None, **extra: str):
+        self.cfg, self.spec, self.deadletter, self.check = cfg, spec, deadletter, check
         settings = {"group.id": group_id, "enable.auto.commit": "false", "auto.offset.reset": "earliest",
                     "fetch.message.max.bytes": str(cfg.max_message_bytes),
                     "fetch.wait.max.ms": str(cfg.fetch_wait_ms), **GROUP_TIMEOUTS, **extra}
@@ -183,12 +200,14 @@ class RecordConsumer(Generic[R]):
             position = Position(msg.topic(), msg.partition(), msg.offset())
             try:
                 records = decode(msg.value(), self.spec.record, position)
+                if self.check is not None:
+                    self.check(records, position)
             except RecordError as exc:
                 if self.deadletter is None:
                     raise
                 self.deadletter.dead_letter(position, exc, msg.key(), msg.value())
                 continue
-            return Delivery(position, msg.key(), records, msg.timestamp()[1] / 1000.0)
+            return Delivery(position, msg.key(), records, msg.timestamp()[1] / 1000.0, msg.value())
 
     def keep_place(self, seconds: float) -> None:
         """Serve the group for ``seconds`` (its rebalances, its heartbeats) without taking a record: a member

@@ -25,8 +25,8 @@ from typing import Any
 
 from milestream.config import Config
 from milestream.infra.kafka import LogAdmin, topic_name
-from milestream.log.lineage import TrainerPosition
-from milestream.log.reader import BrokerSource, LogSource
+from milestream.log.lineage import TrainerPosition, dead_lettered
+from milestream.log.reader import BrokerSource, LogSource, SkipBadRecords
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger, Reconciled
 
@@ -73,21 +73,29 @@ class LoggedRun:
 
     @classmethod
     def read(cls, source: LogSource, trainer: TrainerPosition) -> "LoggedRun":
+        """``source`` should skip what does not decode (``SkipBadRecords``); what a stage dead-lettered is
+        passed over here: none of it entered or left the buffer."""
+        letters = source.fields(topics.DEADLETTER, ("source_topic", "partition", "offset"))
+        dead = dead_lettered((d["source_topic"], d["partition"], d["offset"]) for m in letters for d in m.records)
+
+        def fields(spec: topics.TopicSpec, names: tuple[str, ...]) -> list:
+            return [m for m in source.fields(spec, names) if (m.topic, m.partition, m.offset) not in dead]
+
         prompts: dict[str, tuple[int, int]] = {}
         first: set[str] = set()
-        for m in source.messages(topics.PROMPTS):
+        for m in fields(topics.PROMPTS, ("prompt_id", "attempt")):
             for prompt in m.records:
-                prompts[prompt.group_id] = (m.partition, m.offset)
-                if prompt.attempt == 0:
-                    first.add(prompt.prompt_id)
-        sources = {spec.name: [(m.partition, m.offset, m.records[0]["group_id"])
-                               for m in source.fields(spec, ("group_id",))] for spec in SOURCES}
+                prompts[f"{prompt['prompt_id']}#{prompt['attempt']}"] = (m.partition, m.offset)  # Prompt.group_id
+                if prompt["attempt"] == 0:
+                    first.add(prompt["prompt_id"])
+        sources = {spec.name: [(m.partition, m.offset, m.records[0]["group_id"]) for m in fields(spec, ("group_id",))]
+                   for spec in SOURCES}
         emitted = []
-        for m in source.fields(topics.GROUPS, ("group_id", "token_versions")):
+        for m in fields(topics.GROUPS, ("group_id", "token_versions")):
             oldest = min((v for sample in m.records for v in sample["token_versions"]), default=-1)
             emitted.append((m.partition, m.offset, m.records[0]["group_id"], oldest))
         drops: dict[str, dict[str, Any]] = {}
-        for m in source.fields(topics.DROPPED, ("group_id", "reason", "dropped_by")):
+        for m in fields(topics.DROPPED, ("group_id", "reason", "dropped_by")):
             for record in m.records:
                 drops.setdefault(record["group_id"], record)  # the first drop wins (log/lineage.py)
         return cls(prompts, len(first), sources, emitted, drops, trainer)
@@ -143,7 +151,8 @@ def rebuild_ledger(cfg: Config, run: LoggedRun, rollout_offsets: dict[int, int])
     accounting = derive_accounting(cfg, run, rollout_offsets, run.first_attempts)
     BufferLedger(cfg).rebuild(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted,
                                          admitted=accounting.in_flight),
-                              settled=run.left, totals=run.processor_totals(), prompts_published=run.first_attempts)
+                              settled=run.left, totals=run.processor_totals(), prompts_published=run.first_attempts,
+                              trainer_version=run.trainer.version)
     log.info("rebuilt the buffer ledger from the log: %s; %d groups settled, the feeder at %d", accounting,
              len(run.left), run.first_attempts)
     return accounting
@@ -154,4 +163,5 @@ def rebuild_from_broker(cfg: Config, run_dir: str | Path) -> Accounting:
     committed = LogAdmin(cfg.broker).committed(rollout_group(cfg))
     prompts = topic_name(cfg.broker, topics.PROMPTS)
     rollout_offsets = {partition: offset for (topic, partition), offset in committed.items() if topic == prompts}
-    return rebuild_ledger(cfg, LoggedRun.read(BrokerSource(cfg), trainer_position(run_dir)), rollout_offsets)
+    source = BrokerSource(cfg, on_bad=SkipBadRecords())
+    return rebuild_ledger(cfg, LoggedRun.read(source, trainer_position(run_dir)), rollout_offsets)

@@ -6,6 +6,8 @@ stopped (not yet seen by the trainer's last checkpoint, at or past its offset). 
 lost; a group both trained and dropped, or trained twice, is a failure too.
 
 A run on a Kafka cluster has no archive: its log is the brokers' (``audit_run(run_dir, BrokerSource(cfg))``).
+A record on ``deadletter`` is none of the run's (log/lineage.py): the audit reads past it. A record that
+does not decode and is not dead-lettered fails the audit (RecordError): a stage met it and said nothing.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import collections
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from milestream.log.lineage import BUFFERED, DROPPED, LOST, Lineage, lineage_of
-from milestream.log.reader import LogSource, read_archive, read_archive_fields
+from milestream.log.lineage import BUFFERED, DROPPED, LOST, Lineage, dead_lettered, lineage_of
+from milestream.log.reader import (LoggedMessage, LogSource, OnBadRecord, SkipBadRecords, read_archive,
+                                   read_archive_fields)
 from milestream.schemas import topics
+from milestream.schemas.codec import RecordError
 from milestream.train import checkpoint
 
 
@@ -40,11 +44,29 @@ class Audit:
 
 def archived_lineage(run_dir: str | Path) -> Lineage:
     """The lineage of an archived run (of buffer.groups only the group ids are read)."""
-    lineage = lineage_of(m for spec in (topics.METRICS, topics.DROPPED) for m in read_archive(run_dir, spec))
-    for message in read_archive_fields(run_dir, topics.GROUPS, ["group_id"]):
-        for record in message.records:
-            lineage.observe_emission(record["group_id"], message.position)
+    letters = read_archive_fields(run_dir, topics.DEADLETTER, ["source_topic", "partition", "offset"],
+                                  SkipBadRecords())
+    dead = dead_lettered((r["source_topic"], r["partition"], r["offset"]) for m in letters for r in m.records)
+    on_bad = _unless_dead_lettered(dead)
+    messages = (m for spec in (topics.METRICS, topics.DROPPED) for m in read_archive(run_dir, spec, on_bad))
+    lineage = lineage_of(m for m in messages if _position(m) not in dead)
+    for message in read_archive_fields(run_dir, topics.GROUPS, ["group_id"], on_bad):
+        if _position(message) not in dead:
+            for record in message.records:
+                lineage.observe_emission(record["group_id"], message.position)
     return lineage
+
+
+def _position(message: LoggedMessage) -> tuple[str, int, int]:
+    return message.topic, message.partition, message.offset
+
+
+def _unless_dead_lettered(dead: set[tuple[str, int, int]]) -> OnBadRecord:
+    def on_bad(error: RecordError) -> None:
+        where = error.position
+        if (where.topic, where.partition, where.offset) not in dead:
+            raise error
+    return on_bad
 
 
 def audit_run(run_dir: str | Path, source: LogSource | None = None) -> Audit:
@@ -52,8 +74,10 @@ def audit_run(run_dir: str | Path, source: LogSource | None = None) -> Audit:
     if source is None:
         lineage = archived_lineage(run_dir)
     else:
+        dead = dead_lettered((d.source_topic, d.partition, d.offset)
+                             for m in source.messages(topics.DEADLETTER) for d in m.records)
         specs = (topics.METRICS, topics.DROPPED, topics.GROUPS)
-        lineage = lineage_of(m for spec in specs for m in source.messages(spec))
+        lineage = lineage_of(m for spec in specs for m in source.messages(spec) if _position(m) not in dead)
     payload = checkpoint.load_latest(run_dir)
     fates = lineage.fates(checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState())
     outcomes = collections.Counter(fates[g].outcome for g in lineage.emitted)

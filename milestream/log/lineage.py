@@ -18,17 +18,24 @@ trained, and reported by ``trained_and_dropped``: the audit fails on it.
 
 ``Lineage`` is fed records one at a time, so a finished log (audit, inspection, recompute, redrive)
 and a live feed (the metrics series, the run monitor) share it; feed each topic in offset order.
+
+**What counts.** A record that does not decode, or that breaks ``check_observed`` (a trainer step
+record without its figures or past the run's steps, a drop no stage could have written), is none of
+the run's: the run monitor dead-letters it, and a finished log's lineage skips every record that lies
+on ``deadletter`` (``dead_lettered``).
 """
 from __future__ import annotations
 
 import collections
 import itertools
+import math
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from milestream.log.reader import LoggedMessage
-from milestream.schemas.codec import Position
-from milestream.schemas.records import Dropped, GroupSample, Metrics, Record
+from milestream.schemas import topics
+from milestream.schemas.codec import Position, RecordError
+from milestream.schemas.records import Dropped, EvalResult, GroupSample, Metrics, Record
 
 TRAINED, DROPPED, BUFFERED, LOST = "trained", "dropped", "buffered", "lost"
 
@@ -38,6 +45,7 @@ class TrainerPosition(Protocol):
 
     offsets: dict[int, int]  # partition -> next offset to read
     seen_groups: set[str]  # trained or dropped by the trainer
+    version: int  # the weight version it had made
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,63 @@ def _waiting(group_id: str, at: tuple[int, int], trainer: TrainerPosition | None
         return True
     partition, offset = at
     return group_id not in trainer.seen_groups and offset >= trainer.offsets.get(partition, 0)
+
+
+# what a step line, summary.json and the plot read of a trainer step record
+STEP_FIGURES = ("reward_mean", "staleness_mean", "staleness_max", "queue_size", "loss", "step_s", "version")
+DROPPERS = ("processor", "trainer")
+
+
+def check_observed(record: Record, position: Position, steps: int, batch_groups: int,
+                   sent: Callable[[str], bool], evaluates: bool) -> None:
+    """Raise RecordError naming the field of a buffer.metrics, buffer.dropped or eval.results record no
+    stage of this run writes. ``sent(group_id)``: whether the processor sent the group (the ledger's
+    settlements); ``evaluates``: whether the run evaluates (eval.mode)."""
+    def bad(field_name: str, reason: str) -> RecordError:
+        return RecordError(position, field_name, reason)
+
+    if isinstance(record, Metrics):
+        if not record.source or not record.source.isprintable() or record.step < 0 or not math.isfinite(record.ts):
+            raise bad("source", f"source {record.source!r}, step {record.step}, ts {record.ts}")
+        if record.source == "trainer":
+            _check_step(record, steps, batch_groups, sent, bad)
+    elif isinstance(record, Dropped):
+        if record.dropped_by not in DROPPERS:
+            raise bad("dropped_by", f"{record.dropped_by!r} is none of {DROPPERS}")
+        if not record.reason.isidentifier() or record.num_samples < 0:
+            raise bad("reason", f"reason {record.reason!r}, {record.num_samples} samples")
+        if not sent(record.group_id):
+            raise bad("group_id", f"the processor never sent group {record.group_id!r}")
+    elif isinstance(record, EvalResult):
+        if not evaluates:
+            raise bad("name", "the run evaluates nothing (eval.mode null)")
+        if record.status not in ("ok", "skipped") or min(record.version, record.step, record.lag_steps) < 0:
+            raise bad("status", f"status {record.status!r}, version {record.version}, step {record.step}")
+        if record.status == "ok" and not math.isfinite(record.score):
+            raise bad("score", f"score {record.score}")
+
+
+def _check_step(record: Metrics, steps: int, batch_groups: int, sent: Callable[[str], bool],
+                bad: Callable[[str, str], RecordError]) -> None:
+    if not 1 <= record.step <= steps:
+        raise bad("step", f"trainer step {record.step} of a run of {steps}")
+    missing = [name for name in STEP_FIGURES if name not in record.values]
+    if missing:
+        raise bad("values", f"a trainer step without {missing}")
+    ids = record.group_ids
+    if len(ids) != batch_groups or len(set(ids)) != len(ids) or len(record.group_staleness) != len(ids):
+        raise bad("group_ids", f"{len(ids)} groups ({len(set(ids))} distinct), {len(record.group_staleness)} "
+                  f"staleness figures; a step trains {batch_groups}")
+    if unsent := [g for g in ids if not sent(g)]:
+        raise bad("group_ids", f"groups the processor never sent: {unsent[:3]}")
+
+
+def dead_lettered(letters: Iterable[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
+    """(catalogue topic, partition, offset) of each dead letter's (full topic, partition, offset): the
+    records none of the run's."""
+    names = sorted((spec.name for spec in topics.CATALOGUE), key=len, reverse=True)
+    return {(next((n for n in names if topic.endswith(n)), topic), partition, offset)
+            for topic, partition, offset in letters}
 
 
 def lineage_of(messages: Iterable[LoggedMessage[Record]]) -> Lineage:

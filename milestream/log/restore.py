@@ -38,7 +38,7 @@ from milestream.infra.kafka import LogAdmin, RecordProducer, commit_offsets, pro
 from milestream.log import accounting
 from milestream.log.accounting import Accounting, LoggedRun, derive_accounting, rebuild_ledger, trainer_position
 from milestream.log.archive import ArchiveState, archived_raw, load_manifest, segment_paths
-from milestream.log.reader import ArchiveSource
+from milestream.log.reader import ArchiveSource, SkipBadRecords
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger, Reconciled
 
@@ -161,7 +161,7 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
                           f"archive end)) {past}: the broker was lost before the archive caught up")
     restored = report.groups
     rollout_offsets = restored.get(rollout_group or accounting.rollout_group(cfg), {}).get(topics.PROMPTS.name, {})
-    run = LoggedRun.read(ArchiveSource(run_dir), trainer)
+    run = LoggedRun.read(ArchiveSource(run_dir, SkipBadRecords()), trainer)
     unsettled = rewind_processor(cfg, run, restored)
     if fresh_ledger:
         return rebuild_ledger(cfg, run, rollout_offsets)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
 from milestream.config import Config
-from milestream.infra.kafka import Admin, RecordConsumer, topic_name
+from milestream.infra.kafka import Admin, Check, RecordConsumer, RecordProducer, topic_name
 from milestream.log.archive import load_manifest
 from milestream.log.reader import OnBadRecord, SkipBadRecords, read_archive
 from milestream.schemas import topics
@@ -46,7 +46,10 @@ class TopicFeed:
     """The live topics, read from their beginning by one assigned consumer per topic."""
 
     def __init__(self, cfg: Config, group_id: str, specs: Iterable[topics.TopicSpec] = FEED_TOPICS,
-                 on_bad: OnBadRecord | None = None):
+                 on_bad: OnBadRecord | None = None, deadletter: RecordProducer | None = None,
+                 check: Check | None = None):
+        """``deadletter``, ``check``: a feed the run relies on (the run monitor) dead-letters what does not
+        decode or breaks ``check``, instead of handing it to ``on_bad``."""
         self.on_bad = on_bad or SkipBadRecords()
         if not cfg.broker.bootstrap_servers:
             raise ValueError("no broker to read from: give --bootstrap-servers, or the --run-dir of a run "
@@ -61,8 +64,8 @@ class TopicFeed:
                                    f"{cfg.broker.bootstrap_servers}: is broker.topic_prefix the run's?") from None
             # observers tolerate half a second of lag; the loop's short fetch wait would have the broker
             # answer tens of empty fetches a second per consumer, CPU the loop's own stages want
-            self.consumers.append(RecordConsumer(cfg.broker, spec, group_id, **{"fetch.wait.max.ms": "500"})
-                                  .assign(partitions=partitions))
+            self.consumers.append(RecordConsumer(cfg.broker, spec, group_id, deadletter=deadletter, check=check,
+                                                 **{"fetch.wait.max.ms": "500"}).assign(partitions=partitions))
 
     def poll(self, timeout: float, limit: int = 1000) -> list[Observed]:
         """What arrived on any topic within about ``timeout`` (at most ``limit`` deliveries per topic)."""

@@ -38,10 +38,11 @@ from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.infra.offsets import HeldOffsets
 from milestream.producers.environments.sandbox import figures as sandbox_figures
+from milestream.producers.inputs import check_prompt
 from milestream.producers.rewards import Reward
 from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
-from milestream.schemas.codec import Position
+from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
 from milestream.streams import weights
 from milestream.streams.weights import verify
@@ -171,11 +172,13 @@ class RolloutWorker:
         self.ctx = RolloutContext(cfg, worker_id, engine, tokenizer, sampling_params(cfg.rollout, tokenizer),
                                   self._generate_in_slot, self.layers.agent)
         self.producer = RecordProducer(cfg.broker, client_id=f"rollout-{worker_id}")
-        self.prompts = PromptReader(RecordConsumer(cfg.broker, topics.PROMPTS, f"{cfg.broker.topic_prefix}rollout",
-                                                   deadletter=self.producer).subscribe())
-        self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"rollout-{worker_id}-versions",
-                                       deadletter=self.producer).assign(partitions=[0])
         self.ledger = BufferLedger(cfg)
+        self.prompts = PromptReader(RecordConsumer(cfg.broker, topics.PROMPTS, f"{cfg.broker.topic_prefix}rollout",
+                                                   deadletter=self.producer,
+                                                   check=functools.partial(check_prompt, cfg)).subscribe())
+        self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, f"rollout-{worker_id}-versions",
+                                       deadletter=self.producer,
+                                       check=weights.version_check(cfg, self.ledger)).assign(partitions=[0])
         self.offsets: HeldOffsets[int] = HeldOffsets()
         self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
         self.group_refill = cfg.rollout.refill == "group"
@@ -354,11 +357,16 @@ class RolloutWorker:
                     functools.partial(self.versions.drain, 0.5, 5.0)
                 deliveries = await asyncio.to_thread(read)
                 first_pass = False
-                newer = sorted((r for d in deliveries for r in d.records
+                newer = sorted(((r, d) for d in deliveries for r in d.records
                                 if r.version > self.engine.version or (noise and noise.pending)),
-                               key=lambda r: r.version)
-                for record in newer if receiver.every_version else newer[-1:]:
-                    await self._apply(receiver, record, noise)
+                               key=lambda pair: pair[0].version)
+                if receiver.every_version:
+                    for record, delivery in newer:
+                        await self._apply(receiver, record, delivery, noise)
+                else:  # the newest this engine can take: one refused is passed over for the one before
+                    for record, delivery in reversed(newer):
+                        if await self._apply(receiver, record, delivery, noise):
+                            break
                 if noise is None or not noise.pending:
                     if not self.weights_ready.is_set() and self.engine.version == 0:
                         await self.hook.after_version(self.engine, 0, 0)
@@ -382,9 +390,10 @@ class RolloutWorker:
         log.info("engine %s filled with noise until its first weight version", self.worker_id)
         return noise
 
-    async def _apply(self, receiver: weights.WeightReceiver, record: WeightVersion,
-                     noise: verify.NoiseCheck | None) -> None:
-        """Receive (decode, apply, verify) off the loop while the engine generates; pause only to load."""
+    async def _apply(self, receiver: weights.WeightReceiver, record: WeightVersion, delivery: Delivery,
+                     noise: verify.NoiseCheck | None) -> bool:
+        """Receive (decode, apply, verify) off the loop while the engine generates; pause only to load. A
+        version refused is acknowledged as such, and dead-lettered: its announcement does not hold."""
         try:
             tensors = await asyncio.to_thread(receiver.receive, record)
             await self.engine.update_weights(record.version, tensors)
@@ -393,10 +402,14 @@ class RolloutWorker:
         except (weights.WeightVerificationError, OSError, ValueError) as exc:
             log.error("weight version %d rejected: %s", record.version, exc)
             weights.acknowledge(self.producer, self.worker_id, record, None, error=str(exc))
-            return
+            field = "checksums" if isinstance(exc, weights.WeightVerificationError) else "location"
+            self.producer.dead_letter(delivery.position, RecordError(delivery.position, field, str(exc)),
+                                      delivery.key, delivery.value)
+            return False
         weights.acknowledge(self.producer, self.worker_id, record, tensors)
         log.info("engine %s now at weight version %d", self.worker_id, record.version)
         await self.hook.after_version(self.engine, record.version, record.step)
+        return True
 
     async def _report(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
         started = time.monotonic()

@@ -7,6 +7,7 @@ Every decoding failure raises :class:`RecordError`, which names topic, partition
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
@@ -74,7 +75,35 @@ def decode_table(value: bytes | None, cls: type[Record], position: Position = Po
         actual = table.schema.field(expected.name).type
         if actual != expected.type:
             raise RecordError(position, expected.name, f"type {actual}, expected {expected.type}")
+    for name in table.schema.names:
+        if name not in cls.SCHEMA.names or table.schema.names.count(name) > 1:
+            raise RecordError(position, name, f"not a field of {cls.schema_id()} (or given twice)")
+    if table.num_rows == 0:
+        raise RecordError(position, "<value>", "no records")
+    for name, nullable in _nullable(cls):
+        if _has_nulls(table.column(name), inner_only=nullable):
+            raise RecordError(position, name, "null, where the record type admits none")
     return table
+
+
+@functools.cache
+def _nullable(cls: type[Record]) -> tuple[tuple[str, bool], ...]:
+    """(field, whether its annotation admits None) of each field: an Arrow column admits nulls at every
+    level, a record only where its type says (``topk_ids: list[list[int]] | None``: the list, not its values)."""
+    return tuple((f.name, "None" in str(f.type)) for f in dataclasses.fields(cls))
+
+
+def _has_nulls(column: pa.ChunkedArray | pa.Array, inner_only: bool = False) -> bool:
+    """Nulls in the column (``inner_only``: only below its top level), in its lists and maps at any depth."""
+    for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
+        if chunk.null_count and not inner_only:
+            return True
+        if isinstance(chunk, pa.MapArray):
+            if _has_nulls(chunk.keys) or _has_nulls(chunk.items):
+                return True
+        elif isinstance(chunk, (pa.ListArray, pa.LargeListArray)) and _has_nulls(chunk.flatten()):
+            return True
+    return False
 
 
 def _upgraded(table: pa.Table, found: str, cls: type[Record], position: Position) -> pa.Table:

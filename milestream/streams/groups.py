@@ -11,13 +11,16 @@ staleness window of the latest version seen.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import zstandard
+
 from milestream.config import import_path
 from milestream.schemas.records import Dropped, GroupSample, LogProbs, Routing, Trajectory
-from milestream.schemas.routing import joined_fields
+from milestream.schemas.routing import COMPRESSION, PLAIN_COMPRESSION, joined_fields
 
 SourceRecord = Trajectory | LogProbs | Routing
 GroupFilter = Callable[[Sequence[GroupSample]], tuple[bool, str]]
@@ -47,6 +50,81 @@ class MismatchError(ValueError):
         self.field = field_name
 
 
+def check_record(record: SourceRecord | GroupSample, group_size: int) -> None:
+    """Raise MismatchError naming the field of a record that no rollout worker of this run writes: the
+    rules that hold for each record alone, whatever its group holds (a value that decodes can be hostile)."""
+    if record.group_size != group_size:
+        raise MismatchError("group_size", f"group size {record.group_size}, the run's is {group_size}")
+    if not 0 <= record.sample_index < group_size:
+        raise MismatchError("sample_index", f"sample {record.sample_index} of a group of {group_size}")
+    if record.trajectory_id != f"{record.group_id}/{record.sample_index}":
+        raise MismatchError("trajectory_id", f"{record.trajectory_id!r} is not sample {record.sample_index} "
+                            f"of group {record.group_id!r}")
+    if isinstance(record, Trajectory):
+        _check_trajectory(record)
+    if isinstance(record, (LogProbs, GroupSample)):
+        _check_logprobs(record)
+    elif isinstance(record, Routing):
+        _check_routing(record)
+
+
+def _check_trajectory(t: Trajectory) -> None:
+    if t.status not in Trajectory.STATUSES:
+        raise MismatchError("status", f"status {t.status!r} is not one of {Trajectory.STATUSES}")
+    for name in ("loss_mask", "token_versions"):
+        if len(getattr(t, name)) != len(t.response_ids):
+            raise MismatchError(name, f"{len(getattr(t, name))} values for {len(t.response_ids)} response tokens")
+    if any(m not in (0, 1) for m in t.loss_mask):
+        raise MismatchError("loss_mask", "values other than 0 and 1")
+    for name in ("prompt_ids", "response_ids", "token_versions"):
+        if min(getattr(t, name), default=0) < 0:
+            raise MismatchError(name, "a negative value")
+    for name in ("reward", "submitted_at", "finished_at"):
+        if not math.isfinite(getattr(t, name)):
+            raise MismatchError(name, f"{getattr(t, name)} is not finite")
+    if not 0 <= t.routing_chunks <= max(1, len(t.prompt_ids) + len(t.response_ids)):
+        raise MismatchError("routing_chunks", f"{t.routing_chunks} routing chunks for "
+                            f"{len(t.prompt_ids) + len(t.response_ids)} tokens")
+
+
+def _check_logprobs(record: LogProbs | GroupSample) -> None:
+    """Log-probs are never NaN nor above 0 (-inf is a token the engine found impossible: the loss guards it)."""
+    if any(not lp <= 0.0 for lp in record.logprobs):
+        raise MismatchError("logprobs", "a NaN or positive log-prob")
+    if isinstance(record, GroupSample):
+        if len(record.logprobs) != len(record.response_ids):
+            raise MismatchError("logprobs", f"{len(record.logprobs)} log-probs for {len(record.response_ids)} "
+                                "response tokens")
+        return
+    if (record.topk_ids is None) != (record.topk_logprobs is None):
+        raise MismatchError("topk_ids", "top-k ids and log-probs come together")
+    if record.topk_ids is not None:
+        shapes = [len(row) for row in record.topk_ids], [len(row) for row in record.topk_logprobs]
+        if len(record.topk_ids) != len(record.logprobs) or shapes[0] != shapes[1]:
+            raise MismatchError("topk_ids", "top-k ids and log-probs differ in shape from each other or the tokens")
+
+
+def _check_routing(r: Routing) -> None:
+    if not 0 <= r.chunk_index < r.num_chunks:
+        raise MismatchError("chunk_index", f"chunk {r.chunk_index} of {r.num_chunks}")
+    if r.id_bytes not in (1, 2) or min(r.num_tokens, r.num_layers, r.top_k) < 0:
+        raise MismatchError("id_bytes", f"layout {[r.num_tokens, r.num_layers, r.top_k, r.id_bytes]}")
+    if r.compression not in (COMPRESSION, PLAIN_COMPRESSION):
+        raise MismatchError("compression", f"unknown routing compression {r.compression!r}")
+    ids_bytes = r.num_layers * r.top_k * r.id_bytes
+    whole = r.num_tokens * ids_bytes
+    try:  # a frame that claims more than the layout holds is refused before it is inflated (the size a frame
+        # declares wins over max_output_size, which bounds only a frame that declares none)
+        if zstandard.frame_content_size(r.data) > whole:
+            raise zstandard.ZstdError(f"the frame holds {zstandard.frame_content_size(r.data)} bytes")
+        raw = zstandard.ZstdDecompressor().decompress(r.data, max_output_size=whole + 1)
+    except zstandard.ZstdError as exc:
+        raise MismatchError("data", f"routing data does not decompress within its layout: {exc}") from None
+    if len(raw) > whole or (ids_bytes and len(raw) % ids_bytes):
+        raise MismatchError("data", f"{len(raw)} bytes of routing for layout "
+                            f"{[r.num_tokens, r.num_layers, r.top_k, r.id_bytes]}")
+
+
 @dataclass
 class PartialGroup:
     group_size: int
@@ -70,6 +148,7 @@ class PartialGroup:
         if record.group_size != self.group_size or not 0 <= record.sample_index < self.group_size:
             raise MismatchError("group_size", f"group {record.group_id}: sample {record.sample_index} of "
                                 f"{record.group_size} does not fit a group of {self.group_size}")
+        self._check_lengths(record)
         expected = self._routing_chunks(record.sample_index)
         if isinstance(record, Trajectory):
             declared = record.routing_chunks
@@ -84,6 +163,19 @@ class PartialGroup:
             raise MismatchError("num_chunks" if isinstance(record, Routing) else "routing_chunks",
                                 f"group {record.group_id} sample {record.sample_index}: {declared} routing chunks "
                                 f"declared, {expected} by the records before")
+
+    def _check_lengths(self, record: SourceRecord) -> None:
+        """A trajectory and its log-probs cover the same response tokens."""
+        if isinstance(record, Trajectory) and record.sample_index in self.logprobs:
+            tokens, logprobs = len(record.response_ids), len(self.logprobs[record.sample_index].logprobs)
+        elif isinstance(record, LogProbs) and record.sample_index in self.trajectories:
+            tokens, logprobs = len(self.trajectories[record.sample_index].response_ids), len(record.logprobs)
+        else:
+            return
+        if tokens != logprobs:
+            raise MismatchError("logprobs" if isinstance(record, LogProbs) else "response_ids",
+                                f"group {record.group_id} sample {record.sample_index}: {logprobs} log-probs for "
+                                f"{tokens} response tokens")
 
     def put(self, record: SourceRecord) -> None:
         if isinstance(record, Routing):

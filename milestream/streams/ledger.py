@@ -26,6 +26,8 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
 - the version floor (``run.schedule`` sync and one_step): the oldest weight version an engine may hold to
   admit a prompt. The trainer raises it before it gives a batch's credit back, so the credit it frees
   admits only prompts that a version new enough will generate.
+- the trainer's version: the newest it has announced, raised before each announcement, so a reader of
+  weights.versions can tell an announcement from the future (not the trainer's) from a real one.
 
 A resumed run finds these keys as the stopped run left them; ``reconcile`` rewrites them from the log
 after the broker was lost, ``rebuild`` writes them all on a fresh Redis after Redis was lost
@@ -60,15 +62,15 @@ redis.call('INCR', KEYS[3])
 return 'admitted'
 """
 
-# KEYS: floor. ARGV: a version. The floor never goes down (a trainer resumed from an older checkpoint redoes
-# steps on groups already on the log). Returns the floor.
+# KEYS: floor (or the trainer's version). ARGV: a version. The floor never goes down (a trainer resumed from
+# an older checkpoint redoes steps on groups already on the log); a missing one is set, to 0 too. Returns the floor.
 _RAISE_FLOOR = """
-local floor = tonumber(redis.call('GET', KEYS[1]) or '0')
-if tonumber(ARGV[1]) > floor then
+local floor = redis.call('GET', KEYS[1])
+if not floor or tonumber(ARGV[1]) > tonumber(floor) then
   redis.call('SET', KEYS[1], ARGV[1])
   return tonumber(ARGV[1])
 end
-return floor
+return tonumber(floor)
 """
 
 # KEYS: settlements, totals. ARGV: group id. Returns the state before (nil: first attempt).
@@ -127,13 +129,15 @@ class LedgerKeys:
     prompts_admitted: str
     prompts_published: str
     version_floor: str
+    trainer_version: str
 
     @classmethod
     def of(cls, cfg: Config) -> "LedgerKeys":
         namespace = f"{cfg.redis.key_prefix}:{cfg.broker.topic_prefix}"
         return cls(namespace + "credit", namespace + "admitted", namespace + "queued", namespace + "taken-early",
                    namespace + "processor-groups", namespace + "processor-totals",
-                   namespace + "prompts-admitted", namespace + "prompts-published", namespace + "version-floor")
+                   namespace + "prompts-admitted", namespace + "prompts-published", namespace + "version-floor",
+                   namespace + "trainer-version")
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,20 @@ class BufferLedger:
 
     def version_floor(self) -> int:
         return int(self.client.get(self.keys.version_floor) or 0)
+
+    def raise_trainer_version(self, version: int) -> int:
+        """The trainer is about to announce ``version`` (never lowered: a resumed trainer re-announces)."""
+        return int(self._raise_floor(keys=[self.keys.trainer_version], args=[version]))
+
+    def trainer_version(self) -> int | None:
+        """The newest version the trainer announced (``milestream run`` starts it at 0); None where nothing
+        set it (a test's ledger): no bound."""
+        value = self.client.get(self.keys.trainer_version)
+        return None if value is None else int(value)
+
+    def is_admitted(self, group_id: str) -> bool:
+        """Whether a rollout worker admitted the group and the processor has not settled it yet."""
+        return bool(self.client.hexists(self.keys.admitted, group_id))
 
     def in_flight(self) -> dict[str, str]:
         """The groups admitted and not settled yet: group id -> the worker that holds it."""
@@ -262,9 +280,10 @@ class BufferLedger:
 
     # a run whose Redis was lost: a fresh server holds nothing, so every key comes back from the log
     def rebuild(self, figures: Reconciled, settled: Iterable[str], totals: Mapping[str, int],
-                prompts_published: int) -> None:
+                prompts_published: int, trainer_version: int) -> None:
         """``reconcile`` on a fresh Redis, plus what it keeps of a surviving one: the groups the processor
-        settled (every group with an outcome on the log), its run totals and the feeder's position.
+        settled (every group with an outcome on the log), its run totals, the feeder's position and the
+        trainer's version (its checkpoint's: a version announced past it is redone and announced again).
         Call with every stage stopped."""
         with self.client.pipeline(transaction=True) as tx:
             tx.delete(self.keys.settlements, self.keys.totals)
@@ -273,6 +292,7 @@ class BufferLedger:
             if totals:
                 tx.hset(self.keys.totals, mapping=dict(totals))
             tx.set(self.keys.prompts_published, prompts_published)
+            tx.set(self.keys.trainer_version, trainer_version)
             tx.execute()
         self.reconcile(figures)
 

@@ -4,8 +4,11 @@ rollout.trajectories + rollout.logprobs + rollout.routing (when an engine record
 keyed by group id, so one partition number holds a whole group)
   -> buffer.groups   a complete group that passed the arrival rules
   -> buffer.dropped  a group dropped on arrival (or still incomplete after buffer.incomplete_after_s)
-  -> deadletter      a record that is too large (buffer.max_record_bytes), does not decode, or has an
-                     unknown schema version, with its topic, partition, offset, error and field
+  -> deadletter      a record that is too large (buffer.max_record_bytes), does not decode, has an
+                     unknown schema version, breaks a rule of its own (streams/groups.py check_record),
+                     belongs to a group no rollout worker admitted, or contradicts its group; a weight
+                     version the trainer did not announce (streams/weights/base.py check_version): each
+                     with its topic, partition, offset, error and field
   -> buffer.metrics  queue size, credit, drops, rates, every ``buffer.metrics_interval_s``
 
 Restart safety without broker transactions (tansu does not honour them):
@@ -38,8 +41,10 @@ from milestream.infra.security import faust_credentials
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
 from milestream.schemas.records import DeadLetter, Dropped, GroupSample, Metrics
-from milestream.streams.groups import GroupAssembler, MismatchError, Outcome, SourceRecord, load_filter, oldest_version
+from milestream.streams.groups import (GroupAssembler, MismatchError, Outcome, SourceRecord, check_record, load_filter,
+                                       oldest_version)
 from milestream.streams.ledger import EMITTED, SENDING, SETTLED, BufferLedger
+from milestream.streams.versions import check_version
 
 log = logging.getLogger(__name__)
 
@@ -172,17 +177,26 @@ class Processor:
             size, limit = len(event.value or b""), self.cfg.buffer.max_record_bytes
             if size > limit:  # before decoding: a huge value must not cost the memory to decode it
                 raise RecordError(position, "<value>", f"{size} bytes, over buffer.max_record_bytes ({limit})")
-            for record in decode(event.value, self.sources[message.topic].record, position):
+            records = decode(event.value, self.sources[message.topic].record, position)
+            for record in records:  # every record checked before any joins a group
+                self._check(record, position)
+            for record in records:
                 await self._admit(record, held, position)
         except RecordError as exc:
             await self._dead_letter(position, exc, event)
         # not in a finally: an unexpected error leaves the event unacknowledged, to be re-read
         held.release()
 
-    async def _admit(self, record: SourceRecord, held: HeldEvent, position: Position) -> None:
-        if not self.assembler.knows(record.group_id):
-            self._recall(record.group_id)
+    def _check(self, record: SourceRecord, position: Position) -> None:
         try:
+            check_record(record, self.cfg.rollout.group_size)
+        except MismatchError as exc:
+            raise RecordError(position, exc.field, str(exc)) from None
+
+    async def _admit(self, record: SourceRecord, held: HeldEvent, position: Position) -> None:
+        try:
+            if not self.assembler.knows(record.group_id):
+                self._recall(record.group_id)
             outcome, fresh = self.assembler.add(record, held)
         except MismatchError as exc:
             raise RecordError(position, exc.field, str(exc)) from None
@@ -193,10 +207,15 @@ class Processor:
             await self._settle(outcome)
 
     def _recall(self, group_id: str) -> None:
-        """A group first seen in this life may have left in an earlier one: its records are re-reads."""
-        if self.ledger.settlement(group_id) == SETTLED:
+        """A group first seen in this life may have left in an earlier one: its records are re-reads. A group
+        neither admitted by a rollout worker nor sent by the processor is no group of this run: its records
+        would hold source offsets and, dropped as incomplete, give back a credit nobody took."""
+        settlement = self.ledger.settlement(group_id)
+        if settlement == SETTLED:
             self.assembler.mark_finished(group_id)
             self.counts["groups_settled_before_restart"] += 1
+        elif settlement is None and not self.ledger.is_admitted(group_id):
+            raise MismatchError("group_id", f"no rollout worker admitted group {group_id!r}")
 
     async def _versions_agent(self, stream) -> None:
         spec = topics.WEIGHT_VERSIONS
@@ -204,7 +223,11 @@ class Processor:
             message = event.message
             position = Position(message.topic, message.partition, message.offset)
             try:
-                newest = max(record.version for record in decode(event.value, spec.record, position))
+                records = decode(event.value, spec.record, position)
+                bound = self.ledger.trainer_version()
+                for record in records:
+                    check_version(self.cfg, record, position, bound)
+                newest = max(record.version for record in records)
             except RecordError as exc:
                 await self._dead_letter(position, exc, event)
                 continue

@@ -7,19 +7,27 @@ leaves the buffer — its credit returns — when it is taken or dropped; in the
 the version floor is raised first, so the credit of a batch admits only prompts a new enough engine takes.
 The offsets to checkpoint stop below the oldest group still in the pool, so a resumed trainer re-reads
 what it had not used, and skips by id what it had.
+
+A value on ``buffer.groups`` the processor did not send (its group id never settled), or that no training
+step could take (a sample that breaks the processor's rules, a group not whole, a token id outside the
+vocabulary, routing that does not unpack), is dead-lettered; one the processor did send is dropped as well
+(reason ``invalid``), so its credit comes back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import zstandard
+
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.model import model_config
 from milestream.infra.offsets import HeldOffsets
-from milestream.schemas import topics
-from milestream.schemas.codec import Position
+from milestream.schemas import routing, topics
+from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import GroupSample
-from milestream.streams.groups import drop_record, oldest_version, staleness
+from milestream.streams.groups import MismatchError, check_record, drop_record, oldest_version, staleness
 from milestream.streams.ledger import BufferLedger
 
 
@@ -54,10 +62,12 @@ class GroupCollector:
                  seen_groups: set[str], resumed: bool = False):
         self.cfg, self.producer, self.seen_groups = cfg, producer, seen_groups
         self.selector: Selector = import_path(cfg.buffer.selector, "buffer.selector")
-        self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
-                                       deadletter=producer).assign(offsets, partitions)
-        self.held = HeldOffsets(resumed=offsets)
         self.ledger = BufferLedger(cfg)
+        text_config = model_config(cfg.model).get_text_config()
+        self.vocab_size, self.context = text_config.vocab_size, text_config.max_position_embeddings
+        self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
+                                       deadletter=producer, check=self._check).assign(offsets, partitions)
+        self.held = HeldOffsets(resumed=offsets)
         self.pool: dict[str, PooledGroup] = {}
         self.arrivals = 0
         self.dropped_stale = 0
@@ -120,6 +130,25 @@ class GroupCollector:
             self.pool[group_id] = PooledGroup(group_id, delivery.records, position, self.arrivals)
             self.arrivals += 1
 
+    def _check(self, samples: list[GroupSample], position: Position) -> None:
+        """Raise RecordError (the consumer dead-letters the value) for a group this trainer cannot take; one
+        the processor sent is dropped too, so its credit comes back."""
+        group_id = samples[0].group_id
+        if group_id in self.seen_groups:
+            return  # taken or dropped before: skipped as a re-read
+        sent = self.ledger.settlement(group_id) is not None
+        try:
+            check_group(samples, self.cfg.rollout.group_size, self.vocab_size, self.context)
+        except MismatchError as exc:
+            if sent:
+                record = drop_record(group_id, samples, "invalid", f"{exc.field}: {exc}", "trainer", -1)
+                self.producer.send(topics.DROPPED, [record], key=group_id)
+                self.seen_groups.add(group_id)
+                self.ledger.leave(group_id)
+            raise RecordError(position, exc.field, str(exc)) from None
+        if not sent:
+            raise RecordError(position, "group_id", f"the processor never sent group {group_id!r}")
+
     def _drop_stale(self, version: int) -> None:
         for group in list(self.pool.values()):
             lag = staleness(group.samples, version)
@@ -139,3 +168,33 @@ class GroupCollector:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def check_group(samples: list[GroupSample], group_size: int, vocab_size: int, context: int) -> None:
+    """Raise MismatchError naming the field of a group no training step can take (``context``: the model's)."""
+    for sample in samples:
+        check_record(sample, group_size)
+        if sample.group_id != samples[0].group_id:
+            raise MismatchError("group_id", f"samples of groups {samples[0].group_id!r} and {sample.group_id!r}")
+        if max(sample.prompt_ids + sample.response_ids, default=0) >= vocab_size:
+            raise MismatchError("response_ids", f"a token id past the vocabulary ({vocab_size})")
+        if len(sample.prompt_ids) + len(sample.response_ids) > context:
+            raise MismatchError("response_ids", f"{len(sample.prompt_ids) + len(sample.response_ids)} tokens, past "
+                                f"the model's context of {context}")
+        if sample.routing_layout or sample.routing_data:
+            _check_routing(sample)
+    indices = sorted(s.sample_index for s in samples)
+    if indices != list(range(group_size)):
+        raise MismatchError("sample_index", f"samples {indices} of a group of {group_size}")
+
+
+def _check_routing(sample: GroupSample) -> None:
+    """The routing unpacks to its layout; a chunk claiming more bytes than the layout holds is refused unread."""
+    layout = sample.routing_layout
+    whole = layout[0] * layout[1] * layout[2] * layout[3] if len(layout) == 4 and min(layout) >= 0 else -1
+    try:
+        if whole < 0 or sum(zstandard.frame_content_size(chunk) for chunk in sample.routing_data) > whole:
+            raise ValueError(f"layout {layout} for {len(sample.routing_data)} chunks")
+        routing.expert_ids(sample)
+    except (ValueError, zstandard.ZstdError) as exc:
+        raise MismatchError("routing_data", f"sample {sample.sample_index}: {exc}") from None

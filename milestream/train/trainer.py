@@ -65,7 +65,7 @@ class Trainer:
             # the engines start from noise: the initial weights reach them as version 0 before they generate
             exported = self.learner.export_weights()  # collective: every rank
             if self.leader:
-                self.sender.publish(self.producer, 0, 0, exported)
+                self.announce(0, 0, exported)
         while self.state.step < self.cfg.trainer.steps and not self.stopping:
             started = time.monotonic()
             batch = self.collect()
@@ -79,7 +79,7 @@ class Trainer:
             self.state.version += 1
             exported = self.learner.export_weights()  # collective: every rank
             if self.leader:
-                self.sender.publish(self.producer, self.state.version, self.state.step, exported)
+                self.announce(self.state.version, self.state.step, exported)
                 # published before the checkpoint: a checkpointed step's record is always on the log. A
                 # step killed before its checkpoint is redone after resume and published again; the
                 # later record of a step is the one of the run's lineage (log/lineage.py)
@@ -93,6 +93,11 @@ class Trainer:
             self.producer.flush()
             self.collector.close()
             self.sender.close()
+
+    def announce(self, version: int, step: int, exported) -> None:
+        """Publish a version, the ledger told first: readers refuse an announcement past the trainer's version."""
+        self.collector.ledger.raise_trainer_version(version)
+        self.sender.publish(self.producer, version, step, exported)
 
     def collect(self) -> list[CollectedGroup] | None:
         """The next batch (None: stop), read by the leader and broadcast to every other rank."""

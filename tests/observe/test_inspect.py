@@ -22,7 +22,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
-from streams.synthetic import ProcessorProcess, topic_reader, wait_until
+from streams.synthetic import ProcessorProcess, admit, topic_reader, wait_until
 
 from milestream.cli import main
 from milestream.config import Config
@@ -100,9 +100,12 @@ def _drive_processor(cfg: Config, processor: ProcessorProcess, tokenizer) -> dic
         seen["dropped"] += [r.group_id for d in dropped.drain(idle_s=0.2) for r in d.records]
         seen["versions"] += [r.values.get("latest_version") for d in metrics.drain(idle_s=0.2) for r in d.records]
     try:
+        admit(cfg, [*FIRST_PHASE, "stale#0", "partial#0"])
         _publish(cfg, [r for g in FIRST_PHASE for r in _rollout(tokenizer, g, 0)])
         wait_until(lambda: read() or len(seen["groups"]) + len(seen["dropped"]) == 4, 120, "phase 1 groups")
-        _publish(cfg, [(topics.WEIGHT_VERSIONS, WeightVersion(3, 3, 2, "disk", "-", [], [], 0, time.time()))])
+        location = str(cfg.run_path.resolve() / "weights" / "v000003.safetensors")  # announced only
+        _publish(cfg, [(topics.WEIGHT_VERSIONS, WeightVersion(3, 3, 2, "disk", location, ["w"], ["0" * 16], 0,
+                                                              time.time()))])
         wait_until(lambda: read() or 3.0 in seen["versions"], 120, "the processor to see version 3")
         _publish(cfg, [r for g in ("stale#0", "partial#0") for r in _rollout(tokenizer, g, 0)])
         wait_until(lambda: read() or "stale#0" in seen["dropped"], 120, "the stale group dropped")
@@ -128,7 +131,8 @@ def logged(live_services: Config, tmp_path_factory) -> LoggedRun:
     cfg = live_services.with_overrides(
         broker={"topic_prefix": f"inspect{os.getpid()}-{next(_namespaces)}."},
         model={"name": "tiny-random", "dtype": "float32"}, rollout={"group_size": G},
-        trainer={"batch_groups": 2}, run={"run_dir": str(workdir / "run")})
+        trainer={"batch_groups": 2}, run={"run_dir": str(workdir / "run")},
+        buffer={"capacity_factor": 4.0})  # credit for every group the test admits
     Admin(cfg.broker).create_topics()
     BufferLedger(cfg).initialise()
     processor = ProcessorProcess(cfg, workdir)

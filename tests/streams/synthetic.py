@@ -1,4 +1,5 @@
-"""Helpers for the stream-processor tests: synthetic complete groups and the processor as a process.
+"""Helpers for the stream-processor tests: synthetic complete groups, admitted as a rollout worker admits
+them (the processor takes records of admitted groups only), and the processor as a process.
 
 The processor runs as ``python -m milestream.cli process`` (as in ``milestream run``), so a test can
 SIGKILL it exactly as an operator's crash would, and its log is kept for the failure message.
@@ -20,6 +21,7 @@ from milestream.infra.services import die_with_parent
 from milestream.schemas import topics
 from milestream.schemas import routing
 from milestream.schemas.records import LogProbs, Record, Trajectory
+from milestream.streams.ledger import ADMITTED, BufferLedger
 
 NUM_EXPERTS, ROUTING_LAYERS, TOP_K, ROUTING_CHUNK_TOKENS = 16, 3, 2, 3
 
@@ -59,6 +61,21 @@ def group_records(group_id: str, group_size: int, with_routing: bool = False) ->
     if with_routing:
         out += [(topics.ROUTING, r) for i in range(group_size) for r in routing_records(group_id, i, group_size, tokens)]
     return out
+
+
+def with_credit(cfg: Config, groups: int) -> Config:
+    """``cfg`` with a buffer ledger of its own (its own Redis key prefix) whose credit admits ``groups`` groups."""
+    wide = cfg.with_overrides(redis={"key_prefix": f"{cfg.redis.key_prefix}-{groups}"},
+                              buffer={"capacity_factor": max(groups / cfg.trainer.batch_groups, 1.0)})
+    BufferLedger(wide).initialise()
+    return wide
+
+
+def admit(cfg: Config, group_ids) -> None:
+    """Admit each group as a rollout worker does before it publishes the group's records (one credit each)."""
+    ledger = BufferLedger(cfg)
+    for group_id in group_ids:
+        assert ledger.admit(group_id, "synthetic", 0) == ADMITTED, f"no credit left for {group_id}"
 
 
 class ProcessorProcess:

@@ -2,7 +2,7 @@
 ``incomplete``, and its credit comes back once; a complete group beside it is emitted as usual."""
 from __future__ import annotations
 
-from synthetic import ProcessorProcess, group_records, topic_reader, wait_until
+from synthetic import ProcessorProcess, admit, group_records, topic_reader, wait_until
 
 from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
@@ -13,6 +13,7 @@ GROUP_SIZE = 4
 
 def test_group_incomplete_after_the_window_is_dropped_with_its_reason(cfg, tmp_path):
     cfg = cfg.with_overrides(buffer={"incomplete_after_s": 1.0})
+    admit(cfg, ["partial#0", "whole#0"])
     producer = RecordProducer(cfg.broker, client_id="incomplete-test")
     missing_one_trajectory = group_records("partial#0", GROUP_SIZE)[1:]
     for spec, record in missing_one_trajectory + group_records("whole#0", GROUP_SIZE):

@@ -133,8 +133,9 @@ def test_rebuild_writes_every_key_of_a_fresh_ledger(cfg):
     ledger = BufferLedger(cfg)
     assert ledger.capacity == 4
     ledger.rebuild(Reconciled(credit=2, queue={"q#0": 1}, prompts_admitted=3, admitted=("f#0",)), settled=["q#0", "gone#0"],
-                   totals={"groups_out": 1, "dropped_filtered": 1}, prompts_published=5)
+                   totals={"groups_out": 1, "dropped_filtered": 1}, prompts_published=5, trainer_version=7)
     assert ledger.available() == 2 and ledger.queued_versions() == [1] and ledger.prompts_admitted() == 3
+    assert ledger.trainer_version() == 7
     assert ledger.prompts_published() == 5 and ledger.run_totals() == {"groups_out": 1, "dropped_filtered": 1}
     assert ledger.settlement("gone#0") == SETTLED and not ledger.settle("gone#0", "filtered")  # a re-read: nothing
     assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("gone#0", "w", 0) == "complete"

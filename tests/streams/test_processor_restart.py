@@ -14,7 +14,8 @@ import collections
 import random
 
 import numpy as np
-from synthetic import ProcessorProcess, all_partitions, expert_ids, group_records, topic_reader, wait_until
+from synthetic import (ProcessorProcess, admit, all_partitions, expert_ids, group_records, topic_reader, wait_until,
+                       with_credit)
 
 from milestream.infra.kafka import LogAdmin, RecordProducer, topic_name
 from milestream.schemas import routing, topics
@@ -111,6 +112,7 @@ def drive_waves(cfg, processor: ProcessorProcess, emitted: EmittedGroups) -> lis
     committed_at_kill = sum(committed(cfg).values())
     for wave in range(WAVES):
         first, second, early, ids = split_wave(wave, rng)
+        admit(cfg, ids)
         publish(producer, first)
         if wave in KILL_WAVES:
             emitted.wait_for(early, processor, timeout_s=120)
@@ -130,7 +132,7 @@ def drive_waves(cfg, processor: ProcessorProcess, emitted: EmittedGroups) -> lis
 
 
 def test_sigkill_at_several_points_loses_no_group_and_counts_each_once(cfg, tmp_path):
-    cfg = cfg.with_overrides(buffer={"commit_interval_s": COMMIT_INTERVAL_S})
+    cfg = with_credit(cfg, WAVES * GROUPS_PER_WAVE).with_overrides(buffer={"commit_interval_s": COMMIT_INTERVAL_S})
     processor = ProcessorProcess(cfg, tmp_path)
     processor.start()
     emitted = EmittedGroups(cfg)

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from milestream.config import Config, ModelConfig
-from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, trainable_state_dict
 from milestream.infra.services import die_with_parent
 from milestream.engines.engine import CpuEngine, GenerateRequest, SamplingParams
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
+from milestream.schemas.codec import Position
 from milestream.schemas.records import WeightApplied
 from milestream.streams.weights import NO_BASE, WeightVerificationError, checksums, make_receiver, make_sender
 from milestream.streams.weights.delta import DeltaReceiver, DeltaSender, delta_path, read_delta
@@ -143,7 +144,7 @@ def test_the_engine_keeps_generating_while_a_delta_is_received(cfg: Config) -> N
         probe = asyncio.create_task(engine.generate(GenerateRequest("probe", (5, 6, 7), SamplingParams(20, 1.0))))
         probe.add_done_callback(lambda _: probe_done.set())
         started = time.perf_counter()
-        await worker._apply(receiver, record, None)
+        await worker._apply(receiver, record, Delivery(Position(), None, [record], 0.0), None)
         return await probe, time.perf_counter() - started
 
     result, apply_s = asyncio.run(run())

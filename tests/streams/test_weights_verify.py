@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import save_file
 
 from milestream.config import Config
-from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
 from milestream.infra.model import load_model, load_tokenizer, trainable_state_dict
 from milestream.engines.engine import CpuEngine
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
+from milestream.schemas.codec import Position
 from milestream.schemas.records import WeightVersion
 from milestream.streams.weights import WeightVerificationError, acknowledge, make_receiver, make_sender
 from milestream.streams.weights.verify import NoiseCheck, WeightVerifier, held_mismatches
@@ -89,7 +90,7 @@ def test_a_corrupted_or_missing_tensor_is_refused_by_the_engine_and_flagged(cfg:
     receiver = make_receiver(cfg, "w-verify")
 
     async def apply(record: WeightVersion) -> None:
-        await worker._apply(receiver, record, None)
+        await worker._apply(receiver, record, Delivery(Position(), None, [record], 0.0), None)
 
     asyncio.run(apply(first))
     assert engine.version == 1

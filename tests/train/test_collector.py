@@ -8,7 +8,7 @@ from milestream.schemas.records import GroupSample
 from milestream.streams.ledger import EMITTED, BufferLedger
 
 
-def group(gid: str, version: int, size: int = 2) -> list[GroupSample]:
+def group(gid: str, version: int, size: int = 4) -> list[GroupSample]:  # the test configuration's group size
     return [GroupSample(f"{gid}/{i}", gid, "p", i, size, [1], [2], [1], [version], 0.0, "completed", "", "e", "w",
                         0.0, 0.0, logprobs=[-0.5]) for i in range(size)]
 

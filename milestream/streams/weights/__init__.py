@@ -8,10 +8,12 @@
 verify.py holds the start-up noise check and the consumer that audits weights.applied
 (``weights.verify`` is that module; the checksum check of a delivery is ``base.verify``).
 """
+from milestream.streams.versions import check_applied, check_version, version_check
 from milestream.streams.weights.base import (NO_BASE, WeightReceiver, WeightSender, WeightVerificationError,
                                              acknowledge, checksum, checksums, make_receiver, make_sender,
                                              weights_dir)
 from milestream.streams.weights.disk import load_version, publish_version
 
-__all__ = ["NO_BASE", "WeightReceiver", "WeightSender", "WeightVerificationError", "acknowledge", "checksum",
-           "checksums", "load_version", "make_receiver", "make_sender", "publish_version", "weights_dir"]
+__all__ = ["NO_BASE", "WeightReceiver", "WeightSender", "WeightVerificationError", "acknowledge", "check_applied",
+           "check_version", "checksum", "checksums", "load_version", "make_receiver", "make_sender", "publish_version",
+           "version_check", "weights_dir"]

@@ -21,6 +21,7 @@ from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
 from milestream.schemas.records import WeightApplied, WeightVersion
+from milestream.streams.versions import NO_BASE, weights_dir  # noqa: F401 - where the transports find them
 
 # name -> import path of (sender class, receiver class); imported only when chosen, so a transport's
 # dependencies (torch.distributed groups, ucxx) cost nothing to the others
@@ -31,9 +32,6 @@ TRANSPORTS: dict[str, tuple[str, str]] = {
                   "milestream.streams.weights.broadcast:BroadcastReceiver"),
     "p2p": ("milestream.streams.weights.p2p:P2PSender", "milestream.streams.weights.p2p:P2PReceiver"),
 }
-
-
-NO_BASE = -1  # WeightVersion.base_version of a self-contained (full) version
 
 
 class WeightVerificationError(RuntimeError):
@@ -135,10 +133,6 @@ def acknowledge(producer: RecordProducer, engine_id: str, record: WeightVersion,
 
 
 # ---- files -----------------------------------------------------------------------------------------
-
-def weights_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "weights"
-
 
 def cpu_tensors(tensors: Mapping[str, Tensor], copy: bool = False) -> dict[str, Tensor]:
     """Detached, contiguous CPU tensors; ``copy``: never sharing memory with the originals."""

@@ -8,8 +8,11 @@
                engine holds (base.acknowledge, called by the rollout worker).
   verifier     ``milestream verify-weights``: reads weights.versions and weights.applied, and flags
                every ack that names an unknown version, misses a tensor or differs in a checksum,
-               or that reports a refused version, with a log line and the Metrics record
-               {source "verifier": weights_verified, weights_mismatched} on buffer.metrics.
+               or that reports a refused version, with a log line, a dead letter naming the ack's
+               position and the Metrics record {source "verifier": weights_verified,
+               weights_mismatched} on buffer.metrics. A record of either topic that does not decode,
+               or that no trainer or engine writes (base.check_version, base.check_applied), is
+               dead-lettered and never judged.
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from milestream.config import Config
-from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
 from milestream.schemas import topics
+from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import Metrics, WeightApplied, WeightVersion
+from milestream.streams.ledger import BufferLedger
+from milestream.streams.versions import check_applied, version_check
 from milestream.streams.weights.base import WeightVerificationError, checksum, checksum_mismatches
 
 log = logging.getLogger(__name__)
@@ -73,20 +79,26 @@ class WeightVerifier:
     """Audits each ack on weights.applied against the version announced on weights.versions."""
 
     def __init__(self, cfg: Config, group_id: str = "weights-verifier", unknown_grace_s: float = 10.0):
+        self.ledger = BufferLedger(cfg)
         self.producer = RecordProducer(cfg.broker, client_id="weights-verifier")
-        self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, group_id).assign(partitions=[0])
-        self.acks = RecordConsumer(cfg.broker, topics.WEIGHTS_APPLIED, group_id).assign(
-            partitions=range(cfg.broker.partitions))
+        self.versions = RecordConsumer(cfg.broker, topics.WEIGHT_VERSIONS, group_id, deadletter=self.producer,
+                                       check=version_check(cfg, self.ledger)).assign(partitions=[0])
+        self.acks = RecordConsumer(cfg.broker, topics.WEIGHTS_APPLIED, group_id, deadletter=self.producer,
+                                   check=self._check_acks).assign(partitions=range(cfg.broker.partitions))
         self.unknown_grace_s = unknown_grace_s
         # every record of a version: a trainer step redone after a resume announces its version again
         self.known: dict[int, list[WeightVersion]] = {}
-        self.waiting: list[tuple[WeightApplied, float]] = []  # acks whose version has not been read yet
+        self.waiting: list[tuple[WeightApplied, Delivery, float]] = []  # acks whose version has not been read yet
         self.verified = self.mismatched = 0
+
+    def _check_acks(self, records: list[WeightApplied], position: Position) -> None:
+        for record in records:
+            check_applied(record, position)
 
     def poll(self, timeout: float = 0.5) -> list[tuple[WeightApplied, str | None]]:
         """Judge what arrived: (ack, problem or None) for each ack decided now."""
         delivery = self.acks.poll(timeout)
-        arrived = [(ack, time.monotonic()) for ack in (delivery.records if delivery else [])]
+        arrived = [(ack, delivery, time.monotonic()) for ack in (delivery.records if delivery else [])]
         if not arrived and not self.waiting:
             return []
         # an ack is written after its version record, so reading the versions after the acks sees it
@@ -94,14 +106,14 @@ class WeightVerifier:
             for record in versions.records:
                 self.known.setdefault(record.version, []).append(record)
         pending, self.waiting, judged = self.waiting + arrived, [], []
-        for ack, seen in pending:
+        for ack, came_in, seen in pending:
             if ack.version not in self.known and time.monotonic() - seen < self.unknown_grace_s:
-                self.waiting.append((ack, seen))
+                self.waiting.append((ack, came_in, seen))
                 continue
-            judged.append((ack, self.judge(ack)))
+            judged.append((ack, came_in, self.judge(ack)))
         if judged:
             self._account(judged)
-        return judged
+        return [(ack, problem) for ack, _, problem in judged]
 
     def judge(self, ack: WeightApplied) -> str | None:
         """What is wrong with the ack, or None when it holds exactly an announced version."""
@@ -120,13 +132,16 @@ class WeightVerifier:
                             f"({len(unexpected)}), checksum differs on {differing[:3]} ({len(differing)})")
         return f"holds version {ack.version} wrongly: {'; '.join(problems)}"
 
-    def _account(self, judged: list[tuple[WeightApplied, str | None]]) -> None:
-        for ack, problem in judged:
+    def _account(self, judged: list[tuple[WeightApplied, Delivery, str | None]]) -> None:
+        for ack, delivery, problem in judged:
             if problem is None:
                 self.verified += 1
-            else:
-                self.mismatched += 1
-                log.error("weight mismatch: engine %s %s", ack.engine_id, problem)
+                continue
+            self.mismatched += 1
+            log.error("weight mismatch: engine %s %s (%s)", ack.engine_id, problem, delivery.position)
+            field = "version" if ack.version not in self.known else "ok" if not ack.ok else "checksums"
+            self.producer.dead_letter(delivery.position, RecordError(delivery.position, field, problem),
+                                      delivery.key, delivery.value)
         values = {"weights_verified": float(self.verified), "weights_mismatched": float(self.mismatched)}
         record = Metrics("verifier", self.verified + self.mismatched, time.time(), values)
         self.producer.send(topics.METRICS, [record], key="verifier")
@@ -136,6 +151,10 @@ class WeightVerifier:
         log.info("verifying weights.applied against weights.versions")
         while not stop.is_set():
             self.poll(0.5)
+        # stopping: an ack still waiting for its version is judged now, its version unknown to the end
+        judged = [(ack, came_in, self.judge(ack)) for ack, came_in, _ in self.waiting]
+        if judged:
+            self._account(judged)
         self.close()
 
     def close(self) -> None:
