@@ -244,7 +244,7 @@ def _replay(cfg: Config, args: argparse.Namespace) -> int:
 COMMANDS = {
     "run": (_run, "start broker, Redis, processor, rollout and trainer; train; write summary.json"),
     "rollout": (_rollout, "run a rollout worker (engine + async sampling)"),
-    "process": (_process, "run the stream processor (faust worker)"),
+    "process": (_process, "run a stream processor (any number share the work: one consumer group)"),
     "train": (_train, "run the trainer"),
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish the data set's prompts on the prompts topic (--follow: keep feeding)"),
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    for noisy in ("aiokafka", "faust", "mode", "httpx", "urllib3"):
+    for noisy in ("httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = build_config(args)
     return COMMANDS[args.command][0](cfg, args)

@@ -34,7 +34,7 @@ from milestream.config import Config
 from milestream.producers.data import prompt_stream
 from milestream.schemas import routing, topics
 from milestream.schemas.codec import SCHEMA_HEADER, encode, headers_for, schema_with_id
-from milestream.schemas.records import (Dropped, EvalResult, GroupSample, LogProbs, Metrics, Prompt, Record, Routing,
+from milestream.schemas.records import (Dropped, EvalResult, GroupManifest, LogProbs, Metrics, Prompt, Record, Routing,
                                         Trajectory, WeightApplied, WeightVersion)
 from milestream.streams.versions import weights_dir
 
@@ -150,11 +150,14 @@ class HostileRecords:
         """Valid Arrow a few megabytes long: over ``buffer.max_record_bytes`` for a small setting, under the
         topics' 8 MiB; random ids do not compress."""
         n = 2_000_000 // 4
-        if spec in (topics.TRAJECTORIES, topics.GROUPS):
+        if spec is topics.GROUPS:
+            row = self.group(self._fake_group())[0]
+            return [dataclasses.replace(row, routing_offsets=[self.rng.getrandbits(62) for _ in range(n)],
+                                        routing_rows=[0] * n)]
+        if spec is topics.TRAJECTORIES:
             t = self.trajectory(self._fake_group(), 0)
-            t = dataclasses.replace(t, response_ids=[self.rng.randrange(VOCAB) for _ in range(n)],
-                                    loss_mask=[1] * n, token_versions=[0] * n)
-            return [GroupSample(**t.to_row())] if spec is topics.GROUPS else [t]
+            return [dataclasses.replace(t, response_ids=[self.rng.randrange(VOCAB) for _ in range(n)],
+                                        loss_mask=[1] * n, token_versions=[0] * n)]
         if spec is topics.LOGPROBS:
             return [dataclasses.replace(self.template(spec)[0], logprobs=[-self.rng.random() for _ in range(n)])]
         if spec is topics.ROUTING:
@@ -189,8 +192,11 @@ class HostileRecords:
         ids = np.array([[[self.rng.randrange(8) for _ in range(2)] for _ in range(2)] for _ in range(4)])
         return routing.pack(f"{group_id}/{index}", group_id, index, self.size, ids, 8)[0]
 
-    def group(self, group_id: str) -> list[GroupSample]:
-        return [GroupSample(**self.trajectory(group_id, i).to_row(), logprobs=[-0.5] * 4) for i in range(self.size)]
+    def group(self, group_id: str) -> list[GroupManifest]:
+        """A group's manifest, its records at made-up positions."""
+        return [GroupManifest(f"{group_id}/{i}", group_id, group_id.rsplit("#", 1)[0], i, self.size, 0.5, "completed",
+                              "fuzz-engine", "fuzz-worker", 0.0, 0.0, 3, 4, 0, 0, 0, 2 * i, 0, 2 * i + 1, 0, [], [])
+                for i in range(self.size)]
 
     def version(self, version: int, **fields) -> WeightVersion:
         location = weights_dir(self.cfg.run.run_dir).resolve() / f"v{version:06d}.safetensors"
@@ -324,24 +330,26 @@ class HostileRecords:
         return self._bomb_frame
 
     def _group_kinds(self) -> dict[str, Callable[[], list[Record]]]:
-        def g(**fields) -> list[GroupSample]:
+        def g(**fields) -> list[GroupManifest]:
             return [dataclasses.replace(s, **fields) for s in self.group(self._fake_group())]
 
-        def one(**fields) -> list[GroupSample]:  # the last sample changed
+        def one(**fields) -> list[GroupManifest]:  # the last sample changed
             samples = self.group(self._fake_group())
             return samples[:-1] + [dataclasses.replace(samples[-1], **fields)]
-        routed = dict(routing_layout=[4, 2, 2, 1], routing_compression=routing.COMPRESSION)
         return {
             "unsent_group": lambda: g(),
-            "token_ids_past_vocab": lambda: one(response_ids=[VOCAB] * 4),
             "missing_sample": lambda: g()[:-1],
             "duplicate_sample": lambda: (lambda s: s[:-1] + [s[0]])(g()),
             "mixed_groups": lambda: g()[:-1] + self.group(self._fake_group())[-1:],
-            "logprobs_length": lambda: one(logprobs=[-0.5]),
             "nan_reward": lambda: one(reward=math.nan),
-            "nan_logprob": lambda: one(logprobs=[math.nan] * 4),
-            "routing_garbage": lambda: one(**routed, routing_data=[b"junk"]),
-            "routing_bomb": lambda: one(**routed, routing_data=[self._bomb()]),
+            "inf_times": lambda: one(finished_at=math.inf),
+            "past_the_context": lambda: one(response_tokens=10 ** 7),
+            "negative_tokens": lambda: one(prompt_tokens=-3),
+            "versions_inverted": lambda: one(min_version=5, max_version=1),
+            "versions_without_tokens": lambda: one(response_tokens=0),
+            "negative_offset": lambda: one(trajectory_offset=-1),
+            "partition_past_the_topic": lambda: one(partition=10 ** 6),
+            "routing_rows_mismatch": lambda: one(routing_offsets=[1, 2], routing_rows=[0]),
             "negative_sample_index": lambda: one(sample_index=-1),
             "unknown_status": lambda: one(status="pwned"),
         }

@@ -10,6 +10,7 @@ from stage_runs import run_showing_logs
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import BrokerSource
+from milestream.log.samples import logged_samples
 from milestream.observe.recompute import replay_step
 from milestream.schemas import topics
 from milestream.schemas.records import LogProbs, Trajectory
@@ -56,9 +57,12 @@ def test_whole_loop(loop_cfg):
         emitted.setdefault(sample.group_id, []).append(sample)
     assert lineage.emitted.keys() == emitted.keys()  # the archive holds what the broker holds
 
-    # every trained group's staleness, recomputed from its tokens, is within the bound
+    # every trained group's staleness, recomputed from its tokens (the records its manifest points at), is
+    # within the bound, and the manifest says the same
+    samples = logged_samples(source, set(trained))
     for gid, (step, lag) in trained.items():
-        oldest = min(v for s in emitted[gid] for v in s.token_versions)
+        oldest = min(v for s in samples[gid] for v in s.token_versions)
+        assert oldest == min(row.min_version for row in emitted[gid])
         assert lag == (step - 1) - oldest <= cfg.buffer.max_staleness
     # every group that completed (reached buffer.groups) was trained once, dropped with its reason, or is
     # still buffered; none both trained and dropped

@@ -14,6 +14,7 @@ from stage_runs import print_logs_unless_done, running, start_run
 
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import BrokerSource
+from milestream.log.samples import logged_samples
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger, Reconciled
 
@@ -21,12 +22,9 @@ PLUGINS = str(Path(__file__).parent / "plugins")
 
 
 def logged_token_versions(cfg) -> dict[str, list[int]]:
-    """Every token version of each group on buffer.groups."""
-    versions: dict[str, list[int]] = {}
-    for message in BrokerSource(cfg, idle_s=3.0).messages(topics.GROUPS):
-        for sample in message.records:
-            versions.setdefault(sample.group_id, []).extend(sample.token_versions)
-    return versions
+    """Every token version of each group on buffer.groups (of the records its manifest points at)."""
+    return {group_id: [v for sample in samples for v in sample.token_versions]
+            for group_id, samples in logged_samples(BrokerSource(cfg, idle_s=3.0)).items()}
 
 
 @pytest.mark.parametrize("schedule, over_sampling", [("sync", 1.0), ("one_step", 1.5)])

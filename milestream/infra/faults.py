@@ -12,6 +12,7 @@ looks there for an arm file at each pass of its point:
 A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known point. The points:
 
   worker.sample_published     a rollout worker, after sending one sample of a group
+  processor.took              a stream processor, a batch of records taken, before its complete groups leave
   engine.stepped              the CpuEngine's thread, between two steps (no lock held)
   trainer.collected           the trainer, with its batch taken, before the step
   trainer.published           the trainer, the step's weights and metrics sent, before its checkpoint

@@ -123,6 +123,10 @@ class RecordProducer:
         self.send(topics.DEADLETTER, [record], key=position.topic)
         log.error("dead-lettered %s", error)
 
+    def poll(self, timeout: float = 0.0) -> None:
+        """Serve the delivery reports that have come (their callbacks run here)."""
+        self.producer.poll(timeout)
+
     def flush(self, timeout: float = 30.0) -> None:
         if self.producer.flush(timeout) > 0:
             raise TimeoutError(f"{len(self.producer)} messages not delivered after {timeout}s")
@@ -194,20 +198,31 @@ class RecordConsumer(Generic[R]):
             msg = self.consumer.poll(max(0.0, deadline - time.monotonic()))
             if msg is None:
                 return None
-            if msg.error():
+            if (delivery := self._delivery(msg)) is not None:
+                return delivery
+
+    def poll_many(self, limit: int, timeout: float) -> list[Delivery[R]]:
+        """Up to ``limit`` decodable deliveries: those waiting, or the first to arrive within ``timeout`` and any
+        behind it."""
+        return [d for msg in _batch(self.consumer, limit, timeout) if (d := self._delivery(msg)) is not None]
+
+    def _delivery(self, msg) -> Delivery[R] | None:
+        """The message's records, or None: an error, or a value it dead-letters."""
+        if msg.error():
+            if msg.error().code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error on %s: %s", self.topic, msg.error())
-                continue
-            position = Position(msg.topic(), msg.partition(), msg.offset())
-            try:
-                records = decode(msg.value(), self.spec.record, position)
-                if self.check is not None:
-                    self.check(records, position)
-            except RecordError as exc:
-                if self.deadletter is None:
-                    raise
-                self.deadletter.dead_letter(position, exc, msg.key(), msg.value())
-                continue
-            return Delivery(position, msg.key(), records, msg.timestamp()[1] / 1000.0, msg.value())
+            return None
+        position = Position(msg.topic(), msg.partition(), msg.offset())
+        try:
+            records = decode(msg.value(), self.spec.record, position)
+            if self.check is not None:
+                self.check(records, position)
+        except RecordError as exc:
+            if self.deadletter is None:
+                raise
+            self.deadletter.dead_letter(position, exc, msg.key(), msg.value())
+            return None
+        return Delivery(position, msg.key(), records, msg.timestamp()[1] / 1000.0, msg.value())
 
     def keep_place(self, seconds: float) -> None:
         """Serve the group for ``seconds`` (its rebalances, its heartbeats) without taking a record: a member
@@ -303,16 +318,138 @@ class RawConsumer:
         return self
 
     def consume(self, timeout: float, limit: int = 1000) -> list[RawMessage]:
-        out = []
-        for msg in self.consumer.consume(num_messages=limit, timeout=timeout):
-            if msg.error():
-                if msg.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("raw consumer: %s", msg.error())
-                continue
-            ts_type, ts = msg.timestamp()
-            out.append(RawMessage(msg.topic(), msg.partition(), msg.offset(), ts, ts_type, msg.key(), msg.headers(),
-                                  msg.value()))
-        return out
+        """Up to ``limit`` messages: those waiting, or the first to arrive within ``timeout`` and any behind it."""
+        return _raw_batch(self.consumer, limit, timeout)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def _batch(consumer: Consumer, limit: int, timeout: float) -> list:
+    """What waits in the local queue, up to ``limit``; if nothing does, the first message to come within
+    ``timeout`` and what came with it. (``consume`` alone waits for all ``limit`` or the whole timeout.)"""
+    waiting = consumer.consume(num_messages=limit, timeout=0)
+    if waiting:
+        return waiting
+    first = consumer.poll(timeout)
+    return [] if first is None else [first, *consumer.consume(num_messages=limit - 1, timeout=0)]
+
+
+def _raw_batch(consumer: Consumer, limit: int, timeout: float) -> list[RawMessage]:
+    out = []
+    for msg in _batch(consumer, limit, timeout):
+        if msg.error():
+            if msg.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer error: %s", msg.error())
+            continue
+        ts_type, ts = msg.timestamp()
+        out.append(RawMessage(msg.topic(), msg.partition(), msg.offset(), ts, ts_type, msg.key(), msg.headers(),
+                              msg.value()))
+    return out
+
+
+Partition = tuple[str, int]  # (full topic name, partition)
+
+
+class SourceConsumer:
+    """A member of a consumer group over several topics, read in batches of raw messages (nothing decoded):
+    the stream processor's input, shared by every processor process. Offsets are the caller's to commit.
+
+    The range assignor gives each member the same partition numbers of every topic of equal partition count,
+    so the records of one key (a group) on several topics reach one member. ``on_revoke`` gets the (topic,
+    partition)s about to go (commit them there). At most ``queue_kbytes`` of fetched messages wait in the local
+    queue (librdkafka's default: 64 MB)."""
+
+    def __init__(self, cfg: BrokerConfig, specs: Sequence[topics.TopicSpec], group_id: str,
+                 on_revoke: Callable[[list[Partition]], None] = lambda _: None, queue_kbytes: int = 32768):
+        self.consumer = Consumer(client_config(cfg, **{
+            "group.id": group_id, "enable.auto.commit": "false", "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "range", "fetch.message.max.bytes": str(cfg.max_message_bytes),
+            "fetch.wait.max.ms": str(cfg.fetch_wait_ms), "queued.max.messages.kbytes": str(queue_kbytes),
+            **GROUP_TIMEOUTS}))
+        self.owned: set[Partition] = set()
+
+        def assigned(_consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            self.owned |= {(p.topic, p.partition) for p in partitions}
+            log.info("consumer group %s assigned %s", group_id, sorted(self.owned))
+
+        def revoked(_consumer: Consumer, partitions: list[TopicPartition]) -> None:
+            lost = [(p.topic, p.partition) for p in partitions]
+            on_revoke(lost)
+            self.owned -= set(lost)
+            log.info("consumer group %s revoked %s", group_id, sorted(lost))
+
+        self.consumer.subscribe([topic_name(cfg, spec) for spec in specs], on_assign=assigned, on_revoke=revoked,
+                                on_lost=revoked)
+
+    def consume(self, limit: int, timeout: float) -> list[RawMessage]:
+        """Up to ``limit`` messages: those waiting, or the first to arrive within ``timeout`` and any behind it."""
+        return _raw_batch(self.consumer, limit, timeout)
+
+    def commit(self, offsets: dict[Partition, int], wait: bool = False) -> bool:
+        """Commit next offsets of the partitions this member owns now; False when the broker refused."""
+        owned = {tp: o for tp, o in offsets.items() if tp in self.owned}
+        if not owned:
+            return True
+        try:
+            self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in owned.items()], asynchronous=not wait)
+        except KafkaException as exc:
+            log.warning("commit of %s refused (%s); the next commit carries it", owned, exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class PositionReader:
+    """Reads the messages at given offsets (the trainer reads a group's records where its manifest says they lie).
+
+    A read assigns the partitions it wants at its lowest wanted offset and reads forward, so groups laid out in
+    offset order cost one sequential pass; an offset more than ``gap`` offsets ahead of the read position is
+    sought (skipping a few small records is cheaper than a seek; one large record is not). Partitions are
+    unassigned between reads (a paused partition can wait a second for its next fetch once resumed), and the
+    local queue is kept small, so little is fetched past what a read asks for."""
+
+    def __init__(self, cfg: BrokerConfig, group_id: str, gap: int = 8, queue_kbytes: int = 8192):
+        # what it reads is on the log already: a fetch that waits for more, or backs off for a second once the
+        # small queue is full (librdkafka's default), only delays the read that wants the next records
+        self.consumer = Consumer(client_config(cfg, **{
+            "group.id": group_id, "enable.auto.commit": "false", "fetch.message.max.bytes": str(cfg.max_message_bytes),
+            "fetch.wait.max.ms": "1", "queued.max.messages.kbytes": str(queue_kbytes), "fetch.queue.backoff.ms": "1"}))
+        self.gap = gap
+        self.next: dict[Partition, int] = {}  # per assigned partition: the offset its next message has
+
+    def read(self, wanted: Iterable[tuple[str, int, int]], timeout_s: float = 120.0) -> dict[tuple[str, int, int], RawMessage]:
+        """The messages at (full topic, partition, offset) ``wanted``, those found within ``timeout_s``."""
+        need: dict[Partition, list[int]] = {}
+        for topic, partition, offset in set(wanted):
+            need.setdefault((topic, partition), []).append(offset)
+        if not need:
+            return {}
+        for offsets in need.values():
+            offsets.sort(reverse=True)  # the next wanted offset last
+        self.next = {tp: offsets[-1] for tp, offsets in need.items()}
+        self.consumer.incremental_assign([TopicPartition(t, p, o) for (t, p), o in self.next.items()])
+        found: dict[tuple[str, int, int], RawMessage] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (remaining := sum(len(offsets) for offsets in need.values())) and time.monotonic() < deadline:
+                for message in _raw_batch(self.consumer, min(remaining, 256), 0.1):
+                    self._take(message, need, found)
+        finally:
+            self.consumer.incremental_unassign([TopicPartition(t, p) for t, p in self.next])
+        return found
+
+    def _take(self, message: RawMessage, need: dict[Partition, list[int]], found: dict) -> None:
+        tp = (message.topic, message.partition)
+        self.next[tp] = message.offset + 1
+        offsets = need[tp]
+        if offsets and offsets[-1] == message.offset:
+            found[(message.topic, message.partition, offsets.pop())] = message
+        if offsets and not 0 <= offsets[-1] - self.next[tp] <= self.gap:  # far ahead, or passed (fetched before
+            self.consumer.seek(TopicPartition(tp[0], tp[1], offsets[-1]))  # a seek back): go there
+            self.next[tp] = offsets[-1]
 
     def close(self) -> None:
         self.consumer.close()

@@ -91,8 +91,8 @@ class LoggedRun:
         sources = {spec.name: [(m.partition, m.offset, m.records[0]["group_id"]) for m in fields(spec, ("group_id",))]
                    for spec in SOURCES}
         emitted = []
-        for m in fields(topics.GROUPS, ("group_id", "token_versions")):
-            oldest = min((v for sample in m.records for v in sample["token_versions"]), default=-1)
+        for m in fields(topics.GROUPS, ("group_id", "min_version")):
+            oldest = min((sample["min_version"] for sample in m.records if sample["min_version"] >= 0), default=-1)
             emitted.append((m.partition, m.offset, m.records[0]["group_id"], oldest))
         drops: dict[str, dict[str, Any]] = {}
         for m in fields(topics.DROPPED, ("group_id", "reason", "dropped_by")):

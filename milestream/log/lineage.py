@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Protocol
 from milestream.log.reader import LoggedMessage
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError
-from milestream.schemas.records import Dropped, EvalResult, GroupSample, Metrics, Record
+from milestream.schemas.records import Dropped, EvalResult, GroupManifest, Metrics, Record
 
 TRAINED, DROPPED, BUFFERED, LOST = "trained", "dropped", "buffered", "lost"
 
@@ -77,7 +77,7 @@ class Lineage:
             self.step_records += 1
         elif isinstance(record, Dropped):
             self.drops.setdefault(record.group_id, record)
-        elif isinstance(record, GroupSample):
+        elif isinstance(record, GroupManifest):
             self.observe_emission(record.group_id, at)
 
     def observe_emission(self, group_id: str, at: Position) -> None:

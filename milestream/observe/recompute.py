@@ -1,7 +1,8 @@
 """``milestream replay --step N``: recompute a logged trainer step and compare it bit for bit.
 
 The batch of step N is rebuilt from the log: its record on ``buffer.metrics`` (the lineage's, see
-log/lineage.py) names its groups in order, and ``buffer.groups`` holds them. The learner starts
+log/lineage.py) names its groups in order, and ``buffer.groups`` holds their manifests, whose records
+the rollout topics hold (log/samples.py). The learner starts
 from the newest checkpoint before step N, trains the logged batches of the steps in between, then
 takes step N and compares its loss and gradient norm with the logged ones. Arithmetic on one CPU
 thread is deterministic, so on the backend the run used (``local``) they match exactly.
@@ -19,7 +20,8 @@ from typing import Callable
 from milestream.config import Config
 from milestream.train import checkpoint
 from milestream.log.lineage import lineage_of
-from milestream.log.reader import read_archive
+from milestream.log.reader import ArchiveSource, read_archive
+from milestream.log.samples import logged_samples
 from milestream.train.learner import CollectedGroup, Learner
 from milestream.infra.model import configure_process
 from milestream.schemas import topics
@@ -59,11 +61,7 @@ def checkpoint_before(run_dir: Path, step: int) -> tuple[int, dict]:
 
 
 def logged_groups(run_dir: Path, wanted: set[str]) -> dict[str, list[GroupSample]]:
-    groups: dict[str, list[GroupSample]] = {}
-    for samples in (m.records for m in read_archive(run_dir, topics.GROUPS)):
-        if samples and samples[0].group_id in wanted:
-            groups.setdefault(samples[0].group_id, samples)  # a re-emission carries the same group
-    return groups
+    return logged_samples(ArchiveSource(run_dir), wanted)
 
 
 def replay_step(cfg: Config, run_dir: str | Path, step: int) -> StepReplay:

@@ -5,7 +5,7 @@ Processor: the logged rollout records (``rollout.trajectories``, ``rollout.logpr
 ``streams/groups.py``, with the run's ``buffer.filter`` and staleness bound (``cfg.staleness_bound``), in
 broker timestamp order, interleaved with ``weights.versions`` (the newest version seen decides the stale
 pre-drop, as in the live processor). Each group's offline outcome is compared with the logged one:
-``emitted`` (on ``buffer.groups``; its samples must then be identical to the logged ones) or the
+``emitted`` (on ``buffer.groups``; its manifest must then be identical to the logged one) or the
 reason of a ``buffer.dropped`` record written by the processor. The live processor expires a group
 still incomplete after ``buffer.incomplete_after_s`` of wall time; offline, a group still partial at
 the end of the log (``partial``) agrees with a logged ``incomplete`` drop or with no outcome yet.
@@ -25,10 +25,12 @@ from pathlib import Path
 from milestream.config import Config
 from milestream.log.lineage import lineage_of
 from milestream.log.reader import LoggedMessage, LogSource
+from milestream.log.samples import logged_manifests, logged_samples
 from milestream.observe.recompute import StepReplay, replay_steps
 from milestream.schemas import topics
-from milestream.schemas.records import GroupSample, WeightVersion
-from milestream.streams.groups import GroupAssembler, MismatchError, load_filter
+from milestream.schemas.records import GroupManifest
+from milestream.streams.groups import GroupAssembler, load_filter
+from milestream.streams.sources import MismatchError, refs_of
 
 EMITTED, PARTIAL, PENDING = "emitted", "partial", "pending"
 SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
@@ -38,7 +40,7 @@ SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
 class ProcessorRedrive:
     offline: dict[str, str]  # group id -> emitted | drop reason | partial
     logged: dict[str, str]  # group id -> emitted | drop reason (by the processor) | pending
-    differing_samples: list[str] = field(default_factory=list)  # emitted both ways, samples not identical
+    differing_samples: list[str] = field(default_factory=list)  # emitted both ways, manifests not identical
     rejected: list[str] = field(default_factory=list)  # records the rules refused (the live one dead-letters them)
 
     @property
@@ -79,14 +81,10 @@ def _in_time_order(source: LogSource) -> list[LoggedMessage]:
     return list(heapq.merge(*streams, key=lambda m: m.timestamp_ms))
 
 
-def logged_outcomes(source: LogSource) -> tuple[dict[str, str], dict[str, list[GroupSample]]]:
-    """Per group, what the live processor did; and the samples of each emitted group (first emission)."""
-    outcomes: dict[str, str] = {}
-    emitted: dict[str, list[GroupSample]] = {}
-    for m in source.messages(topics.GROUPS):
-        if m.records:
-            emitted.setdefault(m.records[0].group_id, m.records)
-            outcomes[m.records[0].group_id] = EMITTED
+def logged_outcomes(source: LogSource) -> tuple[dict[str, str], dict[str, list[GroupManifest]]]:
+    """Per group, what the live processor did; and the manifest of each emitted group (first emission)."""
+    emitted = logged_manifests(source)
+    outcomes = dict.fromkeys(emitted, EMITTED)
     for group_id, drop in lineage_of(source.messages(topics.DROPPED)).drops.items():
         if drop.dropped_by == "processor":
             outcomes[group_id] = drop.reason
@@ -96,25 +94,27 @@ def logged_outcomes(source: LogSource) -> tuple[dict[str, str], dict[str, list[G
 def redrive_processor(cfg: Config, source: LogSource) -> ProcessorRedrive:
     assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound)
     offline: dict[str, str] = {}
-    samples: dict[str, list[GroupSample]] = {}
+    manifests: dict[str, list[GroupManifest]] = {}
     rejected: list[str] = []
     for message in _in_time_order(source):
+        if message.topic == topics.WEIGHT_VERSIONS.name:
+            assembler.latest_version = max([assembler.latest_version, *(r.version for r in message.records)])
+            continue
         for record in message.records:
-            if isinstance(record, WeightVersion):
-                assembler.latest_version = max(assembler.latest_version, record.version)
-                continue
             offline.setdefault(record.group_id, PARTIAL)
-            try:
-                outcome, _ = assembler.add(record)
-            except MismatchError as exc:
-                rejected.append(f"{message.topic}[{message.partition}]@{message.offset}: field {exc.field}: {exc}")
-                continue
-            if outcome is not None:
-                offline[outcome.group_id] = EMITTED if outcome.dropped is None else outcome.dropped.reason
-                samples[outcome.group_id] = outcome.samples
+        try:
+            refs = refs_of(message.records, type(message.records[0]), message.partition, message.offset,
+                           cfg.rollout.group_size)
+            for ref in refs:
+                outcome, _ = assembler.add(ref)
+                if outcome is not None:
+                    offline[outcome.group_id] = EMITTED if outcome.dropped is None else outcome.dropped.reason
+                    manifests[outcome.group_id] = outcome.manifest
+        except MismatchError as exc:
+            rejected.append(f"{message.topic}[{message.partition}]@{message.offset}: field {exc.field}: {exc}")
     logged, emitted = logged_outcomes(source)
-    differing = sorted(g for g in samples.keys() & emitted.keys()
-                       if offline[g] == logged.get(g) == EMITTED and samples[g] != emitted[g])
+    differing = sorted(g for g in manifests.keys() & emitted.keys()
+                       if offline[g] == logged.get(g) == EMITTED and manifests[g] != emitted[g])
     return ProcessorRedrive(offline, logged, differing, rejected)
 
 
@@ -122,7 +122,4 @@ def redrive_trainer(cfg: Config, run_dir: str | Path, source: LogSource, first: 
     """Steps ``first``..``last`` recomputed from the checkpoint before ``first`` (RUN_DIR/checkpoints)."""
     steps = lineage_of(source.messages(topics.METRICS)).steps
 
-    def fetch_groups(wanted: set[str]) -> dict[str, list[GroupSample]]:
-        return {g: samples for g, samples in logged_outcomes(source)[1].items() if g in wanted}
-
-    return replay_steps(cfg, run_dir, steps, fetch_groups, first, last)
+    return replay_steps(cfg, run_dir, steps, lambda wanted: logged_samples(source, wanted), first, last)

@@ -21,6 +21,7 @@ class Record:
 
     SCHEMA: ClassVar[pa.Schema]
     VERSION: ClassVar[int] = 1
+    COMPRESSED: ClassVar[bool] = False  # its bytes are compressed already: the codec sends them as they are
 
     @classmethod
     def schema_id(cls) -> str:
@@ -139,14 +140,16 @@ class Routing(Record):
         ("num_tokens", pa.int32()), ("num_layers", pa.int32()), ("top_k", pa.int32()),
         ("id_bytes", pa.int8()), ("compression", pa.string()), ("data", pa.binary()),
     ])
+    COMPRESSED: ClassVar = True
 
 
 @_checked
 @dataclass(frozen=True)
 class GroupSample(Trajectory):
-    """One row of a joined group on ``buffer.groups``: a trajectory with its log-probs and routing.
+    """One sample of a group as the trainer trains on it: a trajectory with its log-probs and routing, joined
+    from the records a ``GroupManifest`` points at (``streams.groups.join_sample``).
 
-    The routing chunks travel as they came (compressed); ``schemas.routing.expert_ids`` unpacks them.
+    The routing chunks stay as they came (compressed); ``schemas.routing.expert_ids`` unpacks them.
     """
 
     logprobs: list[float] = field(default_factory=list)
@@ -156,6 +159,50 @@ class GroupSample(Trajectory):
     SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS + [
         ("logprobs", F32_LIST), ("routing_layout", I32_LIST), ("routing_compression", pa.string()),
         ("routing_data", pa.list_(pa.binary())),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
+class GroupManifest(Record):
+    """One sample of a group on ``buffer.groups``: the fields the drop rules, the data selector and the audit
+    read, and where its records lie on the rollout topics, which the trainer reads them from.
+
+    So a group of any size is one small message, and the processor never copies a payload. Every record of a
+    sample (and of its group) is keyed by the group id, so they share one partition number; each ``*_row``
+    is the record's index in its value (a value may carry several records).
+    """
+
+    trajectory_id: str
+    group_id: str
+    prompt_id: str
+    sample_index: int
+    group_size: int
+    reward: float
+    status: str
+    engine_id: str
+    worker_id: str
+    submitted_at: float
+    finished_at: float
+    prompt_tokens: int
+    response_tokens: int
+    min_version: int  # the oldest weight version of its response tokens; -1 when it has none
+    max_version: int
+    partition: int
+    trajectory_offset: int
+    trajectory_row: int
+    logprobs_offset: int
+    logprobs_row: int
+    routing_offsets: list[int]  # on rollout.routing, its chunks in order; [] when its engine recorded none
+    routing_rows: list[int]
+    SCHEMA: ClassVar = pa.schema([
+        ("trajectory_id", pa.string()), ("group_id", pa.string()), ("prompt_id", pa.string()),
+        ("sample_index", pa.int32()), ("group_size", pa.int32()), ("reward", pa.float32()), ("status", pa.string()),
+        ("engine_id", pa.string()), ("worker_id", pa.string()), ("submitted_at", pa.float64()),
+        ("finished_at", pa.float64()), ("prompt_tokens", pa.int32()), ("response_tokens", pa.int32()),
+        ("min_version", pa.int32()), ("max_version", pa.int32()), ("partition", pa.int32()),
+        ("trajectory_offset", pa.int64()), ("trajectory_row", pa.int32()), ("logprobs_offset", pa.int64()),
+        ("logprobs_row", pa.int32()), ("routing_offsets", pa.list_(pa.int64())), ("routing_rows", I32_LIST),
     ])
 
 

@@ -1,29 +1,32 @@
 """Group assembly and the arrival drop rules, free of any broker so they can be tested alone.
 
-A group is complete when every sample has its trajectory, its log-probs and, when its engine recorded
-MoE routing (``Trajectory.routing_chunks`` > 0), every routing chunk. Records may arrive in any order
-and are de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is
-harmless.
-On completion a group is dropped when a sample failed (status ``error``: the engine or a rollout layer
-raised), then, in Miles' order, when a sample was aborted, when a sample's reward
-failed (``reward_error``), when the user filter rejects it, or (a pre-drop) when it is already past the
-staleness window of the latest version seen.
+The assembler joins refs (streams/sources.py: a record's small fields and where it lies), never payloads.
+A group is complete when every sample has its trajectory, its log-probs and, when its engine recorded MoE
+routing (``Trajectory.routing_chunks`` > 0), every routing chunk. Records may arrive in any order and are
+de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is harmless. Every
+record of a group lies in one partition number (all are keyed by the group id), so one processor, the one
+holding that partition, assembles it.
+
+A complete group leaves as its manifest (one ``GroupManifest`` per sample: schemas/records.py), or dropped:
+when a sample failed (status ``error``: the engine or a rollout layer raised), then, in Miles' order, when a
+sample was aborted, when a sample's reward failed (``reward_error``), when the user filter (given the
+manifest) rejects it, or (a pre-drop) when it is already past the staleness window of the latest version.
+
+``join_sample`` is the other half: the trainer's sample from the records a manifest points at.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import zstandard
-
 from milestream.config import import_path
-from milestream.schemas.records import Dropped, GroupSample, LogProbs, Routing, Trajectory
-from milestream.schemas.routing import COMPRESSION, PLAIN_COMPRESSION, joined_fields
+from milestream.schemas.records import Dropped, GroupManifest, GroupSample, LogProbs, Routing, Trajectory
+from milestream.schemas.routing import joined_fields
+from milestream.streams.sources import LogProbsRef, MismatchError, RoutingRef, SourceRef, TrajectoryRef
 
-SourceRecord = Trajectory | LogProbs | Routing
-GroupFilter = Callable[[Sequence[GroupSample]], tuple[bool, str]]
+GroupFilter = Callable[[Sequence[GroupManifest]], tuple[bool, str]]
+Versioned = TrajectoryRef | GroupManifest  # what carries a sample's min_version
 
 
 def load_filter(path: str | None) -> GroupFilter | None:
@@ -31,159 +34,77 @@ def load_filter(path: str | None) -> GroupFilter | None:
     return import_path(path, "buffer.filter") if path else None
 
 
-def oldest_version(samples: Sequence[Trajectory]) -> int | None:
+def oldest_version(samples: Sequence[Versioned]) -> int | None:
     """The oldest weight version of any token in the group; a group is never fresher than it."""
-    versions = [v for s in samples for v in s.token_versions]
+    versions = [s.min_version for s in samples if s.min_version >= 0]
     return min(versions) if versions else None
 
 
-def staleness(samples: Sequence[Trajectory], current_version: int) -> int:
+def staleness(samples: Sequence[Versioned], current_version: int) -> int:
     oldest = oldest_version(samples)
     return 0 if oldest is None else current_version - oldest
-
-
-class MismatchError(ValueError):
-    """A record that does not fit its group; ``field`` names the offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(message)
-        self.field = field_name
-
-
-def check_record(record: SourceRecord | GroupSample, group_size: int) -> None:
-    """Raise MismatchError naming the field of a record that no rollout worker of this run writes: the
-    rules that hold for each record alone, whatever its group holds (a value that decodes can be hostile)."""
-    if record.group_size != group_size:
-        raise MismatchError("group_size", f"group size {record.group_size}, the run's is {group_size}")
-    if not 0 <= record.sample_index < group_size:
-        raise MismatchError("sample_index", f"sample {record.sample_index} of a group of {group_size}")
-    if record.trajectory_id != f"{record.group_id}/{record.sample_index}":
-        raise MismatchError("trajectory_id", f"{record.trajectory_id!r} is not sample {record.sample_index} "
-                            f"of group {record.group_id!r}")
-    if isinstance(record, Trajectory):
-        _check_trajectory(record)
-    if isinstance(record, (LogProbs, GroupSample)):
-        _check_logprobs(record)
-    elif isinstance(record, Routing):
-        _check_routing(record)
-
-
-def _check_trajectory(t: Trajectory) -> None:
-    if t.status not in Trajectory.STATUSES:
-        raise MismatchError("status", f"status {t.status!r} is not one of {Trajectory.STATUSES}")
-    for name in ("loss_mask", "token_versions"):
-        if len(getattr(t, name)) != len(t.response_ids):
-            raise MismatchError(name, f"{len(getattr(t, name))} values for {len(t.response_ids)} response tokens")
-    if any(m not in (0, 1) for m in t.loss_mask):
-        raise MismatchError("loss_mask", "values other than 0 and 1")
-    for name in ("prompt_ids", "response_ids", "token_versions"):
-        if min(getattr(t, name), default=0) < 0:
-            raise MismatchError(name, "a negative value")
-    for name in ("reward", "submitted_at", "finished_at"):
-        if not math.isfinite(getattr(t, name)):
-            raise MismatchError(name, f"{getattr(t, name)} is not finite")
-    if not 0 <= t.routing_chunks <= max(1, len(t.prompt_ids) + len(t.response_ids)):
-        raise MismatchError("routing_chunks", f"{t.routing_chunks} routing chunks for "
-                            f"{len(t.prompt_ids) + len(t.response_ids)} tokens")
-
-
-def _check_logprobs(record: LogProbs | GroupSample) -> None:
-    """Log-probs are never NaN nor above 0 (-inf is a token the engine found impossible: the loss guards it)."""
-    if any(not lp <= 0.0 for lp in record.logprobs):
-        raise MismatchError("logprobs", "a NaN or positive log-prob")
-    if isinstance(record, GroupSample):
-        if len(record.logprobs) != len(record.response_ids):
-            raise MismatchError("logprobs", f"{len(record.logprobs)} log-probs for {len(record.response_ids)} "
-                                "response tokens")
-        return
-    if (record.topk_ids is None) != (record.topk_logprobs is None):
-        raise MismatchError("topk_ids", "top-k ids and log-probs come together")
-    if record.topk_ids is not None:
-        shapes = [len(row) for row in record.topk_ids], [len(row) for row in record.topk_logprobs]
-        if len(record.topk_ids) != len(record.logprobs) or shapes[0] != shapes[1]:
-            raise MismatchError("topk_ids", "top-k ids and log-probs differ in shape from each other or the tokens")
-
-
-def _check_routing(r: Routing) -> None:
-    if not 0 <= r.chunk_index < r.num_chunks:
-        raise MismatchError("chunk_index", f"chunk {r.chunk_index} of {r.num_chunks}")
-    if r.id_bytes not in (1, 2) or min(r.num_tokens, r.num_layers, r.top_k) < 0:
-        raise MismatchError("id_bytes", f"layout {[r.num_tokens, r.num_layers, r.top_k, r.id_bytes]}")
-    if r.compression not in (COMPRESSION, PLAIN_COMPRESSION):
-        raise MismatchError("compression", f"unknown routing compression {r.compression!r}")
-    ids_bytes = r.num_layers * r.top_k * r.id_bytes
-    whole = r.num_tokens * ids_bytes
-    try:  # a frame that claims more than the layout holds is refused before it is inflated (the size a frame
-        # declares wins over max_output_size, which bounds only a frame that declares none)
-        if zstandard.frame_content_size(r.data) > whole:
-            raise zstandard.ZstdError(f"the frame holds {zstandard.frame_content_size(r.data)} bytes")
-        raw = zstandard.ZstdDecompressor().decompress(r.data, max_output_size=whole + 1)
-    except zstandard.ZstdError as exc:
-        raise MismatchError("data", f"routing data does not decompress within its layout: {exc}") from None
-    if len(raw) > whole or (ids_bytes and len(raw) % ids_bytes):
-        raise MismatchError("data", f"{len(raw)} bytes of routing for layout "
-                            f"{[r.num_tokens, r.num_layers, r.top_k, r.id_bytes]}")
 
 
 @dataclass
 class PartialGroup:
     group_size: int
-    trajectories: dict[int, Trajectory] = field(default_factory=dict)
-    logprobs: dict[int, LogProbs] = field(default_factory=dict)
-    routing: dict[int, dict[int, Routing]] = field(default_factory=dict)  # sample -> chunk -> record
-    handles: list[Any] = field(default_factory=list)  # source events, acknowledged when the group leaves
+    partition: int
+    trajectories: dict[int, TrajectoryRef] = field(default_factory=dict)
+    logprobs: dict[int, LogProbsRef] = field(default_factory=dict)
+    routing: dict[int, dict[int, RoutingRef]] = field(default_factory=dict)  # sample -> chunk -> ref
+    handles: list[Any] = field(default_factory=list)  # source messages, let go when the group leaves
     first_seen: float = field(default_factory=time.monotonic)
 
     def complete(self) -> bool:
         return (len(self.trajectories) == self.group_size and len(self.logprobs) == self.group_size
                 and all(len(self.routing.get(i, {})) == t.routing_chunks for i, t in self.trajectories.items()))
 
-    def has(self, record: SourceRecord) -> bool:
-        if isinstance(record, Routing):
-            return record.chunk_index in self.routing.get(record.sample_index, {})
-        return record.sample_index in (self.trajectories if isinstance(record, Trajectory) else self.logprobs)
+    def has(self, ref: SourceRef) -> bool:
+        if isinstance(ref, RoutingRef):
+            return ref.chunk_index in self.routing.get(ref.sample_index, {})
+        return ref.sample_index in (self.trajectories if isinstance(ref, TrajectoryRef) else self.logprobs)
 
-    def check(self, record: SourceRecord) -> None:
+    def check(self, ref: SourceRef) -> None:
         """Raise MismatchError when the record contradicts what the group already holds."""
-        if record.group_size != self.group_size or not 0 <= record.sample_index < self.group_size:
-            raise MismatchError("group_size", f"group {record.group_id}: sample {record.sample_index} of "
-                                f"{record.group_size} does not fit a group of {self.group_size}")
-        self._check_lengths(record)
-        expected = self._routing_chunks(record.sample_index)
-        if isinstance(record, Trajectory):
-            declared = record.routing_chunks
-        elif isinstance(record, Routing):
-            declared = record.num_chunks
-            if not 0 <= record.chunk_index < record.num_chunks:
-                raise MismatchError("chunk_index", f"group {record.group_id} sample {record.sample_index}: "
-                                    f"chunk {record.chunk_index} of {record.num_chunks}")
+        if ref.group_size != self.group_size or not 0 <= ref.sample_index < self.group_size:
+            raise MismatchError("group_size", f"group {ref.group_id}: sample {ref.sample_index} of "
+                                f"{ref.group_size} does not fit a group of {self.group_size}")
+        if ref.at[0] != self.partition:
+            raise MismatchError("group_id", f"group {ref.group_id} lies in partition {self.partition}, this record "
+                                f"in {ref.at[0]}: not keyed by its group id")
+        self._check_lengths(ref)
+        expected = self._routing_chunks(ref.sample_index)
+        if isinstance(ref, TrajectoryRef):
+            declared = ref.routing_chunks
+        elif isinstance(ref, RoutingRef):
+            declared = ref.num_chunks
         else:
             return
         if expected is not None and declared != expected:
-            raise MismatchError("num_chunks" if isinstance(record, Routing) else "routing_chunks",
-                                f"group {record.group_id} sample {record.sample_index}: {declared} routing chunks "
+            raise MismatchError("num_chunks" if isinstance(ref, RoutingRef) else "routing_chunks",
+                                f"group {ref.group_id} sample {ref.sample_index}: {declared} routing chunks "
                                 f"declared, {expected} by the records before")
 
-    def _check_lengths(self, record: SourceRecord) -> None:
+    def _check_lengths(self, ref: SourceRef) -> None:
         """A trajectory and its log-probs cover the same response tokens."""
-        if isinstance(record, Trajectory) and record.sample_index in self.logprobs:
-            tokens, logprobs = len(record.response_ids), len(self.logprobs[record.sample_index].logprobs)
-        elif isinstance(record, LogProbs) and record.sample_index in self.trajectories:
-            tokens, logprobs = len(self.trajectories[record.sample_index].response_ids), len(record.logprobs)
+        if isinstance(ref, TrajectoryRef) and ref.sample_index in self.logprobs:
+            tokens, logprobs = ref.response_tokens, self.logprobs[ref.sample_index].tokens
+        elif isinstance(ref, LogProbsRef) and ref.sample_index in self.trajectories:
+            tokens, logprobs = self.trajectories[ref.sample_index].response_tokens, ref.tokens
         else:
             return
         if tokens != logprobs:
-            raise MismatchError("logprobs" if isinstance(record, LogProbs) else "response_ids",
-                                f"group {record.group_id} sample {record.sample_index}: {logprobs} log-probs for "
+            raise MismatchError("logprobs" if isinstance(ref, LogProbsRef) else "response_ids",
+                                f"group {ref.group_id} sample {ref.sample_index}: {logprobs} log-probs for "
                                 f"{tokens} response tokens")
 
-    def put(self, record: SourceRecord) -> None:
-        if isinstance(record, Routing):
-            self.routing.setdefault(record.sample_index, {})[record.chunk_index] = record
-        elif isinstance(record, Trajectory):
-            self.trajectories[record.sample_index] = record
+    def put(self, ref: SourceRef) -> None:
+        if isinstance(ref, RoutingRef):
+            self.routing.setdefault(ref.sample_index, {})[ref.chunk_index] = ref
+        elif isinstance(ref, TrajectoryRef):
+            self.trajectories[ref.sample_index] = ref
         else:
-            self.logprobs[record.sample_index] = record
+            self.logprobs[ref.sample_index] = ref
 
     def _routing_chunks(self, sample_index: int) -> int | None:
         if sample_index in self.trajectories:
@@ -191,12 +112,17 @@ class PartialGroup:
         chunks = self.routing.get(sample_index)
         return next(iter(chunks.values())).num_chunks if chunks else None
 
-    def joined(self) -> list[GroupSample]:
-        return [
-            GroupSample(**self.trajectories[i].to_row(), logprobs=self.logprobs[i].logprobs,
-                        **joined_fields(list(self.routing.get(i, {}).values())))
-            for i in sorted(self.trajectories)
-        ]
+    def manifest(self) -> list[GroupManifest]:
+        out = []
+        for i in sorted(self.trajectories):
+            t, lp = self.trajectories[i], self.logprobs[i]
+            chunks = [self.routing[i][c] for c in sorted(self.routing.get(i, {}))]
+            out.append(GroupManifest(
+                t.trajectory_id, t.group_id, t.prompt_id, i, t.group_size, t.reward, t.status, t.engine_id,
+                t.worker_id, t.submitted_at, t.finished_at, t.prompt_tokens, t.response_tokens, t.min_version,
+                t.max_version, self.partition, t.at[1], t.at[2], lp.at[1], lp.at[2], [c.at[1] for c in chunks],
+                [c.at[2] for c in chunks]))
+        return out
 
 
 @dataclass(frozen=True)
@@ -204,9 +130,10 @@ class Outcome:
     """A group that left the assembler: emitted (``dropped`` is None) or dropped with its record."""
 
     group_id: str
-    samples: list[GroupSample]
+    manifest: list[GroupManifest]
     handles: list[Any]
     dropped: Dropped | None = None
+    partition: int = -1  # of its source records
 
 
 class GroupAssembler:
@@ -227,23 +154,28 @@ class GroupAssembler:
             raise ValueError(f"group {group_id} is partial here; it cannot have left")
         self.finished.add(group_id)
 
-    def add(self, record: SourceRecord, handle: Any = None) -> tuple[Outcome | None, bool]:
+    def add(self, ref: SourceRef, handle: Any = None) -> tuple[Outcome | None, bool]:
         """Add one record; returns (the group's outcome if it just completed, whether the record was new).
 
         Raises MismatchError (and keeps nothing of the record) when it contradicts its group.
         """
-        if record.group_id in self.finished:
+        if ref.group_id in self.finished:
             return None, False
-        group = self.partial.get(record.group_id) or PartialGroup(record.group_size)
-        if group.has(record):
+        group = self.partial.get(ref.group_id) or PartialGroup(ref.group_size, ref.at[0])
+        if group.has(ref):
             return None, False
-        group.check(record)
-        self.partial[record.group_id] = group
-        group.put(record)
+        group.check(ref)
+        self.partial[ref.group_id] = group
+        group.put(ref)
         group.handles.append(handle)
         if not group.complete():
             return None, True
-        return self._finish(record.group_id, self._verdict(group.joined())), True
+        return self._finish(ref.group_id, self._verdict(group)), True
+
+    def forget(self, partitions: set[int]) -> list[PartialGroup]:
+        """Let go of the partial groups of ``partitions`` (another processor took them: it re-reads their records)."""
+        gone = [gid for gid, group in self.partial.items() if group.partition in partitions]
+        return [self.partial.pop(gid) for gid in gone]
 
     def expire(self, older_than_s: float) -> list[Outcome]:
         """Drop the groups still incomplete after ``older_than_s`` seconds."""
@@ -252,14 +184,14 @@ class GroupAssembler:
         outcomes = []
         for gid in expired:
             group = self.partial[gid]
-            samples = [GroupSample(**t.to_row()) for t in group.trajectories.values()]
             chunks = sum(len(c) for c in group.routing.values())
             detail = (f"{len(group.trajectories)}/{group.group_size} trajectories, {len(group.logprobs)} log-probs, "
                       f"{chunks} routing chunks")
-            outcomes.append(self._finish(gid, ("incomplete", detail), samples))
+            outcomes.append(self._finish(gid, ("incomplete", detail)))
         return outcomes
 
-    def _verdict(self, samples: list[GroupSample]) -> tuple[str, str] | None:
+    def _verdict(self, group: PartialGroup) -> tuple[str, str] | None:
+        samples = [group.trajectories[i] for i in sorted(group.trajectories)]
         failed = [s for s in samples if s.status == "error"]
         if failed:
             return "error", f"samples {[s.sample_index for s in failed]}: {failed[0].error}"
@@ -270,25 +202,24 @@ class GroupAssembler:
         if failed:  # never trained on a made-up reward
             return "reward_error", f"samples {[s.sample_index for s in failed]}: {failed[0].reward_error}"
         if self.group_filter is not None:
-            keep, reason = self.group_filter(samples)
+            keep, reason = self.group_filter(group.manifest())
             if not keep:
                 return "filtered", reason
         if self.max_staleness is not None and staleness(samples, self.latest_version) > self.max_staleness:
             return "stale", f"oldest version {oldest_version(samples)}, latest {self.latest_version}"
         return None
 
-    def _finish(self, group_id: str, verdict: tuple[str, str] | None,
-                samples: list[GroupSample] | None = None) -> Outcome:
+    def _finish(self, group_id: str, verdict: tuple[str, str] | None) -> Outcome:
         group = self.partial.pop(group_id)
         self.finished.add(group_id)
-        samples = samples if samples is not None else group.joined()
-        dropped = None
-        if verdict is not None:
-            dropped = drop_record(group_id, samples, verdict[0], verdict[1], "processor", self.latest_version)
-        return Outcome(group_id, samples, group.handles, dropped)
+        samples = [group.trajectories[i] for i in sorted(group.trajectories)]
+        if verdict is None:
+            return Outcome(group_id, group.manifest(), group.handles, None, group.partition)
+        dropped = drop_record(group_id, samples, verdict[0], verdict[1], "processor", self.latest_version)
+        return Outcome(group_id, [], group.handles, dropped, group.partition)
 
 
-def drop_record(group_id: str, samples: Sequence[Trajectory], reason: str, detail: str,
+def drop_record(group_id: str, samples: Sequence[Versioned], reason: str, detail: str,
                 dropped_by: str, trainer_version: int) -> Dropped:
     oldest = oldest_version(samples)
     rewards = [s.reward for s in samples]
@@ -298,3 +229,24 @@ def drop_record(group_id: str, samples: Sequence[Trajectory], reason: str, detai
         trainer_version=trainer_version, mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
         ts=time.time(),
     )
+
+
+def join_sample(row: GroupManifest, trajectory: Trajectory, logprobs: LogProbs,
+                chunks: Sequence[Routing]) -> GroupSample:
+    """The sample a manifest row names, from the records at its positions; MismatchError (naming the field) when
+    they are not the records it describes."""
+    sample_id = row.trajectory_id
+    for record in (trajectory, logprobs, *chunks):
+        if record.trajectory_id != sample_id or record.group_id != row.group_id:
+            raise MismatchError("trajectory_id", f"{sample_id}: the record at its position is {record.trajectory_id}")
+    versions = trajectory.token_versions
+    described = (row.prompt_tokens, row.response_tokens, row.status, row.reward, len(row.routing_offsets),
+                 row.min_version, row.max_version)
+    found = (len(trajectory.prompt_ids), len(trajectory.response_ids), trajectory.status, trajectory.reward,
+             trajectory.routing_chunks, min(versions, default=-1), max(versions, default=-1))
+    if described != found or len(logprobs.logprobs) != row.response_tokens:
+        raise MismatchError("response_tokens", f"{sample_id}: the manifest says (prompt, response, status, reward, "
+                            f"routing chunks, versions) {described}, its records {found}")
+    if [c.chunk_index for c in chunks] != list(range(len(chunks))):
+        raise MismatchError("routing_offsets", f"{sample_id}: chunks {[c.chunk_index for c in chunks]} in its order")
+    return GroupSample(**trajectory.to_row(), logprobs=logprobs.logprobs, **joined_fields(list(chunks)))

@@ -36,7 +36,7 @@ after the broker was lost, ``rebuild`` writes them all on a fresh Redis after Re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from milestream.config import Config
 from milestream.infra.redis_client import redis_client
@@ -217,6 +217,41 @@ class BufferLedger:
         keys = [self.keys.settlements, self.keys.totals, self.keys.credit, self.keys.queue, self.keys.taken_early,
                 self.keys.admitted]
         return bool(self._settle(keys=keys, args=[group_id, outcome, oldest_version]))
+
+    # the same, for a batch of groups in one round trip (the processor asks once per batch of records)
+    def recall(self, group_ids: Sequence[str]) -> dict[str, tuple[str | None, bool]]:
+        """Per group: its settlement (as ``settlement``) and whether a rollout worker admitted it."""
+        if not group_ids:
+            return {}
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.keys.settlements, list(group_ids))
+            pipe.hmget(self.keys.admitted, list(group_ids))
+            settlements, admitted = pipe.execute()
+        return {g: (_text(s), a is not None) for g, s, a in zip(group_ids, settlements, admitted)}
+
+    def begin_sending_many(self, group_ids: Sequence[str]) -> list[str | None]:
+        """``begin_sending`` of each group, in order."""
+        keys = [self.keys.settlements, self.keys.totals]
+        with self.client.pipeline(transaction=False) as pipe:
+            for group_id in group_ids:
+                self._begin(keys=keys, args=[group_id], client=pipe)
+            return [_text(v) for v in pipe.execute()]
+
+    def settle_many(self, settlements: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """``settle`` of each (group id, outcome, oldest version), in order."""
+        keys = [self.keys.settlements, self.keys.totals, self.keys.credit, self.keys.queue, self.keys.taken_early,
+                self.keys.admitted]
+        with self.client.pipeline(transaction=False) as pipe:
+            for group_id, outcome, oldest in settlements:
+                self._settle(keys=keys, args=[group_id, outcome, oldest], client=pipe)
+            return [bool(v) for v in pipe.execute()]
+
+    def sent(self, group_ids: Sequence[str]) -> set[str]:
+        """Those of the groups the processor has begun to send, in any of its lives."""
+        if not group_ids:
+            return set()
+        found = self.client.hmget(self.keys.settlements, list(group_ids))
+        return {g for g, state in zip(group_ids, found) if state is not None}
 
     def settled_or_sending(self) -> set[str]:
         """Every group the processor has begun to send, in any of its lives."""

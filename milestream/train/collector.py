@@ -1,46 +1,57 @@
 """Taking groups out of the buffer for a training step: the trainer's side of the buffer.
 
-Groups read from ``buffer.groups`` wait in a local pool; a data selector (an import path) picks
-each batch from the pool. At collection a group past the staleness window (``cfg.staleness_bound``: 0 in
-the sync schedule, 1 in one_step) is dropped onto ``buffer.dropped`` (Miles' third drop rule). A group
-leaves the buffer — its credit returns — when it is taken or dropped; in the sync and one_step schedules
-the version floor is raised first, so the credit of a batch admits only prompts a new enough engine takes.
-The offsets to checkpoint stop below the oldest group still in the pool, so a resumed trainer re-reads
-what it had not used, and skips by id what it had.
+``buffer.groups`` carries each group's manifest (schemas/records.py ``GroupManifest``: per sample the fields
+the rules read and where its records lie on the rollout topics). Manifests wait in a local pool, small
+whatever the groups' size; a data selector (an import path) picks each batch from the pool. At collection
+a group past the staleness window (``cfg.staleness_bound``: 0 in the sync schedule, 1 in one_step) is
+dropped onto ``buffer.dropped`` (Miles' third drop rule) without its records ever being read. The records
+of the groups chosen are read where their manifests say, in one pass over the whole batch's positions
+(``infra.kafka.PositionReader``), each checked to be the record its manifest describes, and joined into
+the samples a step trains on (streams/groups.py ``join_sample``); so the trainer holds the records of
+one batch at a time, however long the buffer. A group leaves the buffer — its credit returns — when it is
+taken or dropped; in the sync and one_step schedules the version floor is raised first, so the credit of
+a batch admits only prompts a new enough engine takes. The offsets to checkpoint stop below the oldest
+group still in the pool, so a resumed trainer re-reads what it had not used, and skips by id what it had.
 
-A value on ``buffer.groups`` the processor did not send (its group id never settled), or that no training
-step could take (a sample that breaks the processor's rules, a group not whole, a token id outside the
-vocabulary, routing that does not unpack), is dead-lettered; one the processor did send is dropped as well
-(reason ``invalid``), so its credit comes back.
+A manifest the processor did not send (its group id never settled), or that no training step could take
+(a sample that breaks the rules, a group not whole, past the model's context, records at its positions
+that are not the ones it describes, a token id outside the vocabulary, routing that does not unpack), is
+dead-lettered; a group the processor did send is dropped as well (reason ``invalid``), so its credit
+comes back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import zstandard
 
 from milestream.config import Config, import_path
-from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.kafka import Delivery, PositionReader, RecordConsumer, RecordProducer, topic_name
 from milestream.infra.model import model_config
 from milestream.infra.offsets import HeldOffsets
 from milestream.schemas import routing, topics
-from milestream.schemas.codec import Position, RecordError
-from milestream.schemas.records import GroupSample
-from milestream.streams.groups import MismatchError, check_record, drop_record, oldest_version, staleness
+from milestream.schemas.codec import Position, RecordError, decode_values
+from milestream.schemas.records import GroupManifest, GroupSample, LogProbs, Record, Routing, Trajectory
+from milestream.streams.groups import MismatchError, drop_record, join_sample, oldest_version, staleness
 from milestream.streams.ledger import BufferLedger
+
+READ_BATCH = 512  # manifests read before the ledger is asked, once, which of them the processor sent
 
 
 @dataclass(frozen=True)
 class PooledGroup:
     group_id: str
-    samples: list[GroupSample]
+    manifest: list[GroupManifest]
     position: Position
     arrival: int  # order of arrival in this trainer process
+    value: bytes | None = None  # the manifest as it came, for its dead letter
+    samples: list[GroupSample] = field(default_factory=list)  # its records joined, once taken
 
     @property
     def oldest_version(self) -> int:
-        oldest = oldest_version(self.samples)
+        oldest = oldest_version(self.manifest)
         return -1 if oldest is None else oldest
 
 
@@ -65,8 +76,12 @@ class GroupCollector:
         self.ledger = BufferLedger(cfg)
         text_config = model_config(cfg.model).get_text_config()
         self.vocab_size, self.context = text_config.vocab_size, text_config.max_position_embeddings
+        self.partitions = len(partitions)
         self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
-                                       deadletter=producer, check=self._check).assign(offsets, partitions)
+                                       deadletter=producer).assign(offsets, partitions)
+        self.reader = PositionReader(cfg.broker, f"{cfg.broker.topic_prefix}trainer-records")
+        self.topic = {spec: topic_name(cfg.broker, spec) for spec in (topics.TRAJECTORIES, topics.LOGPROBS,
+                                                                       topics.ROUTING)}
         self.held = HeldOffsets(resumed=offsets)
         self.pool: dict[str, PooledGroup] = {}
         self.arrivals = 0
@@ -76,25 +91,29 @@ class GroupCollector:
         self.drops_counted = self._drop_totals() if resumed else {}
 
     def take(self, count: int, version: int, stopping: Callable[[], bool]) -> list[tuple[PooledGroup, int]] | None:
-        """``count`` fresh groups chosen by the selector, each with its staleness; None once stopping."""
+        """``count`` fresh groups chosen by the selector, their records joined, each with its staleness; None
+        once stopping."""
         while not stopping():
-            self._read(timeout=0.05 if len(self.pool) >= count else 1.0)
+            self._read(timeout=0.0 if len(self.pool) >= count else 1.0)  # enough pooled: what is there, no wait
             self._drop_stale(version)
-            if len(self.pool) >= count:
-                chosen = self.selector(list(self.pool.values()), count)
-                if self.cfg.admission_lead is not None:
-                    self.ledger.raise_floor(version + self.cfg.admission_lead)
-                for group in chosen:
-                    self._leave(group)
-                taken = [(g, staleness(g.samples, version)) for g in chosen]
-                self.collected_lags += [lag for _, lag in taken]
-                return taken
+            if len(self.pool) < count:
+                continue
+            chosen = self._joined(self.selector(list(self.pool.values()), count))
+            if len(chosen) < count:  # some were invalid and have left: choose again
+                continue
+            if self.cfg.admission_lead is not None:
+                self.ledger.raise_floor(version + self.cfg.admission_lead)
+            for group in chosen:
+                self._leave(group)
+            taken = [(g, staleness(g.manifest, version)) for g in chosen]
+            self.collected_lags += [lag for _, lag in taken]
+            return taken
         return None
 
     def pool_figures(self, version: int) -> dict[str, float]:
         """Groups read but not yet taken, their staleness at ``version``, the stale drops so far, and the
         staleness of every group collected (trained or dropped stale) since the last call."""
-        lags = [staleness(g.samples, version) for g in self.pool.values()]
+        lags = [staleness(g.manifest, version) for g in self.pool.values()]
         collected, self.collected_lags = self.collected_lags, []
         return {"pool_groups": float(len(lags)), "pool_staleness_mean": sum(lags) / len(lags) if lags else 0.0,
                 "pool_staleness_max": float(max(lags, default=0)), "dropped_stale_total": float(self.dropped_stale),
@@ -118,43 +137,47 @@ class GroupCollector:
         """Next offsets to read on resume: below the oldest group still pooled."""
         return self.held.committable()
 
+    # ---- manifests in ---------------------------------------------------------------------------------
+
     def _read(self, timeout: float) -> None:
-        while (delivery := self.consumer.poll(timeout)) is not None:
-            timeout = 0.0  # take what is already there, then go on
-            position = delivery.position
+        deliveries: list[Delivery[GroupManifest]] = self.consumer.poll_many(READ_BATCH, timeout)
+        sent = self.ledger.sent(sorted({d.records[0].group_id for d in deliveries} - self.seen_groups))
+        for delivery in deliveries:
+            position, rows = delivery.position, delivery.records
             self.held.started(position.partition, position.offset)
-            group_id = delivery.records[0].group_id
+            group_id = rows[0].group_id
             if group_id in self.seen_groups or group_id in self.pool:
                 self.held.done(position.partition, position.offset)  # re-emitted after a processor restart
                 continue
-            self.pool[group_id] = PooledGroup(group_id, delivery.records, position, self.arrivals)
+            group = PooledGroup(group_id, rows, position, self.arrivals, delivery.value)
+            try:
+                check_manifest(rows, self.cfg.rollout.group_size, self.context, self.partitions)
+                if group_id not in sent:
+                    raise MismatchError("group_id", f"the processor never sent group {group_id!r}")
+            except MismatchError as exc:
+                self._refuse(group, exc, sent=group_id in sent, key=delivery.key)
+                continue
+            self.pool[group_id] = group
             self.arrivals += 1
 
-    def _check(self, samples: list[GroupSample], position: Position) -> None:
-        """Raise RecordError (the consumer dead-letters the value) for a group this trainer cannot take; one
-        the processor sent is dropped too, so its credit comes back."""
-        group_id = samples[0].group_id
-        if group_id in self.seen_groups:
-            return  # taken or dropped before: skipped as a re-read
-        sent = self.ledger.settlement(group_id) is not None
-        try:
-            check_group(samples, self.cfg.rollout.group_size, self.vocab_size, self.context)
-        except MismatchError as exc:
-            if sent:
-                record = drop_record(group_id, samples, "invalid", f"{exc.field}: {exc}", "trainer", -1)
-                self.producer.send(topics.DROPPED, [record], key=group_id)
-                self.seen_groups.add(group_id)
-                self.ledger.leave(group_id)
-            raise RecordError(position, exc.field, str(exc)) from None
-        if not sent:
-            raise RecordError(position, "group_id", f"the processor never sent group {group_id!r}")
+    def _refuse(self, group: PooledGroup, exc: MismatchError, sent: bool, key: bytes | None = None) -> None:
+        """Dead-letter a manifest no step can take; a group the processor sent is dropped too (its credit back)."""
+        if sent:
+            record = drop_record(group.group_id, group.manifest, "invalid", f"{exc.field}: {exc}", "trainer", -1)
+            self.producer.send(topics.DROPPED, [record], key=group.group_id)
+            self.seen_groups.add(group.group_id)
+            self.ledger.leave(group.group_id)
+        self.producer.dead_letter(group.position, RecordError(group.position, exc.field, str(exc)),
+                                  key if key is not None else group.group_id.encode(), group.value)
+        self.pool.pop(group.group_id, None)
+        self.held.done(group.position.partition, group.position.offset)
 
     def _drop_stale(self, version: int) -> None:
         for group in list(self.pool.values()):
-            lag = staleness(group.samples, version)
+            lag = staleness(group.manifest, version)
             if lag > self.cfg.staleness_bound:
                 detail = f"staleness {lag} > {self.cfg.staleness_bound} ({self.cfg.run.schedule} schedule)"
-                record = drop_record(group.group_id, group.samples, "stale", detail, "trainer", version)
+                record = drop_record(group.group_id, group.manifest, "stale", detail, "trainer", version)
                 self.producer.send(topics.DROPPED, [record], key=group.group_id)
                 self.dropped_stale += 1
                 self.collected_lags.append(lag)
@@ -166,17 +189,100 @@ class GroupCollector:
         self.held.done(group.position.partition, group.position.offset)
         self.ledger.leave(group.group_id)
 
+    # ---- records in -----------------------------------------------------------------------------------
+
+    def _joined(self, chosen: list[PooledGroup]) -> list[PooledGroup]:
+        """The chosen groups with their samples, read in one pass; an invalid one is refused and left out."""
+        records = Records(self.reader, self.topic, [row for g in chosen for row in g.manifest])
+        out = []
+        for group in chosen:
+            try:
+                samples = [join_sample(row, *records.of(row)) for row in group.manifest]
+                check_group(samples, self.cfg.rollout.group_size, self.vocab_size, self.context)
+            except MismatchError as exc:
+                self._refuse(group, exc, sent=True)
+                continue
+            out.append(replace(group, samples=samples))
+        return out
+
     def close(self) -> None:
         self.consumer.close()
+        self.reader.close()
+
+
+class Records:
+    """The records a batch of manifests points at: read in one pass, decoded per topic in one pass.
+
+    The rules of each record (streams/sources.py) are not run again: a manifest the processor sent (the ledger
+    says so) names records it took only after they passed them, and a log's records never change; what is
+    checked here is that each record is the one its manifest describes (``join_sample``), and then the
+    trainer's own limits on the joined group (``check_group``)."""
+
+    SPECS = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
+
+    def __init__(self, reader: PositionReader, topic: dict[topics.TopicSpec, str], rows: list[GroupManifest]):
+        self.topic = topic
+        messages = reader.read({at for row in rows for at in self.positions(row)})
+        self.decoded: dict[tuple[str, int, int], list[Record] | RecordError] = {}
+        for spec in self.SPECS:
+            ats = sorted(at for at in messages if at[0] == topic[spec])
+            values = [(messages[at].value, Position(*at)) for at in ats]
+            self.decoded.update(zip(ats, decode_values(values, spec.record)))
+
+    def positions(self, row: GroupManifest) -> list[tuple[str, int, int]]:
+        """(full topic, partition, offset) of a row's trajectory, log-probs and routing chunks."""
+        return [(self.topic[topics.TRAJECTORIES], row.partition, row.trajectory_offset),
+                (self.topic[topics.LOGPROBS], row.partition, row.logprobs_offset),
+                *((self.topic[topics.ROUTING], row.partition, offset) for offset in row.routing_offsets)]
+
+    def of(self, row: GroupManifest) -> tuple[Trajectory, LogProbs, list[Routing]]:
+        """The records at a row's positions; MismatchError naming the field when one is missing or does not decode."""
+        at = self.positions(row)
+        return (self._record(at[0], row.trajectory_row, "trajectory_offset"),
+                self._record(at[1], row.logprobs_row, "logprobs_offset"),
+                [self._record(where, index, "routing_offsets") for where, index in zip(at[2:], row.routing_rows)])
+
+    def _record(self, at: tuple[str, int, int], index: int, field_name: str) -> Record:
+        records = self.decoded.get(at)
+        if records is None:
+            raise MismatchError(field_name, f"no record read at {at[0]}[{at[1]}]@{at[2]}")
+        if isinstance(records, RecordError):
+            raise MismatchError(field_name, str(records))
+        if not 0 <= index < len(records):
+            raise MismatchError(field_name, f"no record {index} in the value at {at[0]}[{at[1]}]@{at[2]}")
+        return records[index]
+
+
+def check_manifest(rows: list[GroupManifest], group_size: int, context: int, partitions: int) -> None:
+    """Raise MismatchError naming the field of a manifest no training step can take (``context``: the model's)."""
+    indices = sorted(row.sample_index for row in rows)
+    if indices != list(range(group_size)):
+        raise MismatchError("sample_index", f"samples {indices} of a group of {group_size}")
+    for row in rows:
+        if row.group_id != rows[0].group_id or row.trajectory_id != f"{row.group_id}/{row.sample_index}":
+            raise MismatchError("group_id", f"sample {row.trajectory_id!r} in group {rows[0].group_id!r}")
+        if row.group_size != group_size or row.status not in Trajectory.STATUSES:
+            raise MismatchError("status", f"group size {row.group_size}, status {row.status!r}")
+        if not all(math.isfinite(v) for v in (row.reward, row.submitted_at, row.finished_at)):
+            raise MismatchError("reward", f"reward {row.reward}, times {row.submitted_at}, {row.finished_at}")
+        if min(row.prompt_tokens, row.response_tokens) < 0 or row.prompt_tokens + row.response_tokens > context:
+            raise MismatchError("response_tokens", f"{row.prompt_tokens} + {row.response_tokens} tokens; the model's "
+                                f"context is {context}")
+        if not -1 <= row.min_version <= row.max_version or (row.min_version < 0) != (row.response_tokens == 0):
+            raise MismatchError("min_version", f"versions {row.min_version}..{row.max_version} of "
+                                f"{row.response_tokens} tokens")
+        offsets = [row.trajectory_offset, row.logprobs_offset, *row.routing_offsets]
+        rows_at = [row.trajectory_row, row.logprobs_row, *row.routing_rows]
+        if not 0 <= row.partition < partitions or min(offsets + rows_at) < 0 or len(rows_at) != len(offsets):
+            raise MismatchError("partition", f"records at partition {row.partition}, offsets {offsets}, rows {rows_at}")
 
 
 def check_group(samples: list[GroupSample], group_size: int, vocab_size: int, context: int) -> None:
-    """Raise MismatchError naming the field of a group no training step can take (``context``: the model's)."""
+    """Raise MismatchError naming the field of a joined group no training step can take."""
     for sample in samples:
-        check_record(sample, group_size)
         if sample.group_id != samples[0].group_id:
             raise MismatchError("group_id", f"samples of groups {samples[0].group_id!r} and {sample.group_id!r}")
-        if max(sample.prompt_ids + sample.response_ids, default=0) >= vocab_size:
+        if max(max(sample.prompt_ids, default=0), max(sample.response_ids, default=0)) >= vocab_size:
             raise MismatchError("response_ids", f"a token id past the vocabulary ({vocab_size})")
         if len(sample.prompt_ids) + len(sample.response_ids) > context:
             raise MismatchError("response_ids", f"{len(sample.prompt_ids) + len(sample.response_ids)} tokens, past "
@@ -189,12 +295,20 @@ def check_group(samples: list[GroupSample], group_size: int, vocab_size: int, co
 
 
 def _check_routing(sample: GroupSample) -> None:
-    """The routing unpacks to its layout; a chunk claiming more bytes than the layout holds is refused unread."""
+    """Every chunk inflates, and together to exactly the layout's bytes; a chunk that declares more than the
+    layout holds is refused unread. (Unpacking the ids cannot fail past that: the learner does it once.)"""
     layout = sample.routing_layout
-    whole = layout[0] * layout[1] * layout[2] * layout[3] if len(layout) == 4 and min(layout) >= 0 else -1
+    whole = math.prod(layout) if len(layout) == 4 and min(layout) >= 0 else -1
     try:
-        if whole < 0 or sum(zstandard.frame_content_size(chunk) for chunk in sample.routing_data) > whole:
-            raise ValueError(f"layout {layout} for {len(sample.routing_data)} chunks")
-        routing.expert_ids(sample)
+        if whole < 0 or sample.routing_compression not in (routing.COMPRESSION, routing.PLAIN_COMPRESSION):
+            raise ValueError(f"layout {layout}, compression {sample.routing_compression!r}")
+        inflated, decompressor = 0, zstandard.ZstdDecompressor()
+        for chunk in sample.routing_data:
+            declared = zstandard.frame_content_size(chunk)
+            if declared < 0 or inflated + declared > whole:
+                raise ValueError(f"a chunk declaring {declared} bytes past the layout {layout}")
+            inflated += len(decompressor.decompress(chunk))
+        if inflated != whole:
+            raise ValueError(f"{inflated} bytes of routing for layout {layout}")
     except (ValueError, zstandard.ZstdError) as exc:
         raise MismatchError("routing_data", f"sample {sample.sample_index}: {exc}") from None

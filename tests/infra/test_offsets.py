@@ -1,11 +1,10 @@
 """Commit points: a partition is committed only below its oldest offset still held."""
 from __future__ import annotations
 
-from faust.types import TP
-
 from milestream.infra.offsets import HeldOffsets
 
-TRAJECTORIES = TP("rollout.trajectories", 0)
+TP = tuple[str, int]
+TRAJECTORIES = ("rollout.trajectories", 0)
 
 
 def test_commit_point_stays_at_the_oldest_offset_still_held():

@@ -13,7 +13,7 @@ from milestream.log.lineage import BUFFERED, DROPPED, LOST, TRAINED, Lineage, li
 from milestream.log.reader import SkipBadRecords, read_archive
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, encode
-from milestream.schemas.records import Dropped, GroupSample, Metrics, Record
+from milestream.schemas.records import Dropped, GroupManifest, Metrics, Record
 from milestream.train.checkpoint import TrainerState
 
 
@@ -25,9 +25,9 @@ def drop(group_id: str, reason: str, by: str = "processor") -> Dropped:
     return Dropped(group_id, group_id.split("#")[0], reason, "", by, 2, 0, 0, 0.0, 0.0)
 
 
-def sample(group_id: str) -> GroupSample:
-    return GroupSample(f"{group_id}/0", group_id, group_id.split("#")[0], 0, 1, [1], [2], [1], [0], 0.0,
-                       "completed", "", "e", "w", 0.0, 0.0, logprobs=[-1.0])
+def sample(group_id: str) -> GroupManifest:
+    return GroupManifest(f"{group_id}/0", group_id, group_id.split("#")[0], 0, 1, 0.0, "completed", "e", "w", 0.0, 0.0,
+                         1, 1, 0, 0, 0, 0, 0, 0, 0, [], [])
 
 
 def write_archive(run_dir, messages: dict[topics.TopicSpec, list[Record | bytes]]) -> None:

@@ -31,6 +31,7 @@ from milestream.observe.selection import (SAMPLE_SCHEMA, OffsetRange, Selection,
                                           parse_time, sample_table)
 from milestream.train.learner import CollectedGroup, Learner
 from milestream.log.reader import ArchiveSource, BrokerSource
+from milestream.log.samples import logged_samples
 from milestream.observe.redrive import redrive_processor, redrive_trainer
 from milestream.observe.show import print_trajectories
 from milestream.infra.kafka import Admin, RawMessage, RecordProducer, produce_raw, topic_name
@@ -115,7 +116,8 @@ def _drive_processor(cfg: Config, processor: ProcessorProcess, tokenizer) -> dic
     finally:
         for reader in (metrics, groups, dropped):
             reader.close()
-    return emitted
+    samples = logged_samples(BrokerSource(cfg, idle_s=1.0))  # the records each manifest points at, joined
+    return {group_id: samples[group_id] for group_id in emitted}
 
 
 def _train_and_log(cfg: Config, learner: Learner, emitted: dict[str, list[GroupSample]]) -> None:

@@ -1,11 +1,13 @@
 import dataclasses
 
+import numpy as np
 import pyarrow as pa
 import pytest
+import zstandard
 
-from milestream.schemas import topics
-from milestream.schemas.codec import Position, RecordError, decode, encode, schema_with_id
-from milestream.schemas.records import GroupSample, LogProbs, Metrics, Record, Trajectory
+from milestream.schemas import routing, topics
+from milestream.schemas.codec import Position, RecordError, decode, decode_table, encode, schema_with_id
+from milestream.schemas.records import GroupManifest, LogProbs, Metrics, Record, Routing, Trajectory
 
 POS = Position("rollout.trajectories", 2, 17)
 
@@ -19,7 +21,7 @@ def trajectory(i: int = 0, **changes) -> Trajectory:
 
 
 def test_every_topic_round_trips_its_record_type():
-    assert {spec.record for spec in topics.CATALOGUE} >= {Trajectory, LogProbs, GroupSample, Metrics}
+    assert {spec.record for spec in topics.CATALOGUE} >= {Trajectory, LogProbs, GroupManifest, Metrics}
     for spec in topics.CATALOGUE:
         assert issubclass(spec.record, Record)
         assert spec.record.SCHEMA.names == [f.name for f in dataclasses.fields(spec.record)]
@@ -32,9 +34,35 @@ def test_round_trip_keeps_values_and_order():
     assert decode(encode([metrics]), Metrics) == [metrics]
 
 
-def test_value_is_zstd_arrow_ipc_with_schema_id():
-    table = pa.ipc.open_stream(encode([trajectory()])).read_all()
+def test_value_is_one_zstd_frame_of_arrow_ipc_with_schema_id():
+    table = pa.ipc.open_stream(zstandard.ZstdDecompressor().decompress(encode([trajectory()]))).read_all()
     assert table.schema.metadata[b"milestream.schema"] == Trajectory.schema_id().encode()
+
+
+def test_routing_bytes_compressed_already_go_as_plain_ipc_and_are_read_in_place():
+    (chunk,) = routing.pack("g/0", "g", 0, 1, np.zeros((4, 2, 2), dtype=int), num_experts=8)
+    value = encode([chunk])
+    table = pa.ipc.open_stream(value).read_all()  # no frame around it
+    assert table.column("data")[0].as_py() == chunk.data and decode(value, Routing) == [chunk]
+
+
+def test_a_value_of_the_first_layout_still_decodes_and_columns_are_read_alone():
+    """Values written before one zstd frame wrapped the stream: Arrow's own per-buffer compression."""
+    records = [trajectory(0), trajectory(1)]
+    sink = pa.BufferOutputStream()
+    batch = pa.RecordBatch.from_pylist([r.to_row() for r in records], schema=schema_with_id(Trajectory))
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_batch(batch)
+    assert decode(sink.getvalue().to_pybytes(), Trajectory, POS) == records
+    table = decode_table(encode(records), Trajectory, POS, columns=["group_id", "reward"])
+    assert table.column_names == ["group_id", "reward"] and table.column("reward").to_pylist() == [1.0, 1.0]
+
+
+def test_a_frame_that_inflates_past_its_bound_is_refused_unread():
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(256 * 1024 * 1024))
+    with pytest.raises(RecordError, match="declares") as err:
+        decode(bomb, Trajectory, POS)
+    assert err.value.field == "<value>"
 
 
 def test_garbage_names_topic_partition_offset():

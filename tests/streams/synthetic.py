@@ -82,6 +82,7 @@ class ProcessorProcess:
     """The stream processor as its own OS process, restartable; every life appends to one log."""
 
     def __init__(self, cfg: Config, workdir: Path):
+        workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = workdir / "processor.yaml"
         self.config_path.write_text(cfg.to_yaml())
         self.log_path = workdir / "processor.log"

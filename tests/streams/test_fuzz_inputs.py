@@ -76,17 +76,19 @@ def test_hostile_records_are_dead_lettered_by_the_processor_and_the_collector(cf
         raise
     finally:
         processor.stop()
-        collector.close()
         reader.close()
     for (topic, partition, offset), what in landed.items():
         letter = letters[(topic, partition, offset)]
         assert letter.field and f"[{partition}]@{offset}" in letter.error, (what, letter.field, letter.error)
     assert set(collector.pool) == set(good)  # nothing hostile got into the pool, every good group did
     sent = {gid: [r for spec, r in group_records(gid, hostile.size) if spec is topics.TRAJECTORIES] for gid in good}
-    for gid, pooled in collector.pool.items():
+    joined = collector._joined(list(collector.pool.values()))  # their records, read where the manifests say
+    assert len(joined) == len(good)
+    for pooled in joined:
         samples = sorted(pooled.samples, key=lambda s: s.sample_index)
         assert [(s.sample_index, s.response_ids, s.reward) for s in samples] \
-            == [(t.sample_index, t.response_ids, t.reward) for t in sent[gid]]
+            == [(t.sample_index, t.response_ids, t.reward) for t in sent[pooled.group_id]]
+    collector.close()
     assert "Traceback" not in processor.log_path.read_text()  # it never stopped on one, nor logged one
 
 

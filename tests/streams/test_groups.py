@@ -1,12 +1,36 @@
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
 
 from milestream.schemas import routing
-from milestream.schemas.records import LogProbs, Trajectory
+from milestream.schemas.records import LogProbs, Record, Trajectory
 from milestream.streams.filters import reward_nonzero_std
-from milestream.streams.groups import GroupAssembler, MismatchError, load_filter, oldest_version, staleness
+from milestream.streams.groups import GroupAssembler, join_sample, load_filter, oldest_version, staleness
+from milestream.streams.sources import MismatchError, refs_of
+
+_offsets = itertools.count()
+LOG: dict[int, Record] = {}  # offset -> the record a ref made here points at
+
+
+def ref(record: Record, partition: int = 0):
+    """The record as the processor sees it: its ref, at the next offset of one partition."""
+    offset = next(_offsets)
+    LOG[offset] = record
+    return refs_of([record], type(record), partition, offset, record.group_size)[0]
+
+
+class Assembler(GroupAssembler):
+    """Takes records: each becomes its ref first."""
+
+    def add(self, record, handle=None):
+        return super().add(ref(record), handle)
+
+
+def joined(manifest):
+    return [join_sample(row, LOG[row.trajectory_offset], LOG[row.logprobs_offset], [LOG[o] for o in row.routing_offsets])
+            for row in manifest]
 
 
 def traj(group: str, i: int, size: int = 2, status: str = "completed", reward: float = 0.0, versions=(1, 2)):
@@ -19,19 +43,20 @@ def lp(group: str, i: int, size: int = 2):
 
 
 def test_group_completes_only_with_every_trajectory_and_logprob_in_any_order():
-    assembler = GroupAssembler()
+    assembler = Assembler()
     assert assembler.add(lp("g", 1), "h1") == (None, True)
     assert assembler.add(traj("g", 0, reward=1.0), "h2") == (None, True)
     assert assembler.add(traj("g", 1), "h3") == (None, True)
     outcome, fresh = assembler.add(lp("g", 0), "h4")
     assert fresh and outcome.dropped is None
-    assert [s.sample_index for s in outcome.samples] == [0, 1]
-    assert outcome.samples[1].logprobs == pytest.approx([-0.1, -0.2])
+    assert [row.sample_index for row in outcome.manifest] == [0, 1]
+    assert joined(outcome.manifest)[1].logprobs == pytest.approx([-0.1, -0.2])
+    assert [row.reward for row in outcome.manifest] == [1.0, 0.0] and outcome.manifest[0].min_version == 1
     assert sorted(outcome.handles) == ["h1", "h2", "h3", "h4"]
 
 
 def test_duplicates_are_ignored_before_and_after_completion():
-    assembler = GroupAssembler()
+    assembler = Assembler()
     assembler.add(traj("g", 0), 1)
     assert assembler.add(traj("g", 0), 2) == (None, False)
     assembler.add(traj("g", 1), 3)
@@ -43,7 +68,7 @@ def test_duplicates_are_ignored_before_and_after_completion():
 
 def test_aborted_sample_drops_the_group_before_the_filter_runs():
     calls = []
-    assembler = GroupAssembler(group_filter=lambda s: calls.append(s) or (True, ""))
+    assembler = Assembler(group_filter=lambda s: calls.append(s) or (True, ""))
     for record in (traj("g", 0), traj("g", 1, status="aborted"), lp("g", 0), lp("g", 1)):
         outcome, _ = assembler.add(record)
     assert outcome.dropped.reason == "aborted" and "[1]" in outcome.dropped.detail
@@ -52,14 +77,14 @@ def test_aborted_sample_drops_the_group_before_the_filter_runs():
 
 def test_a_failed_reward_drops_the_group_after_aborts_and_before_the_filter():
     calls = []
-    assembler = GroupAssembler(group_filter=lambda s: calls.append(s) or (True, ""))
+    assembler = Assembler(group_filter=lambda s: calls.append(s) or (True, ""))
     failed = dataclasses.replace(traj("g", 1), reward_error="TimeoutError: timed out after 30.0s")
     for record in (traj("g", 0), failed, lp("g", 0), lp("g", 1)):
         outcome, _ = assembler.add(record)
     assert (outcome.dropped.reason, outcome.dropped.detail) == ("reward_error",
                                                                 "samples [1]: TimeoutError: timed out after 30.0s")
     assert calls == []
-    assembler = GroupAssembler()
+    assembler = Assembler()
     for record in (dataclasses.replace(failed, status="aborted"), traj("h", 0), lp("h", 0), lp("h", 1)):
         record = dataclasses.replace(record, group_id="h", trajectory_id=f"h/{record.sample_index}")
         outcome, _ = assembler.add(record)
@@ -67,14 +92,14 @@ def test_a_failed_reward_drops_the_group_after_aborts_and_before_the_filter():
 
 
 def test_user_filter_rejects_with_its_reason():
-    assembler = GroupAssembler(group_filter=reward_nonzero_std)
+    assembler = Assembler(group_filter=reward_nonzero_std)
     for record in (traj("g", 0, reward=1.0), traj("g", 1, reward=1.0), lp("g", 0), lp("g", 1)):
         outcome, _ = assembler.add(record)
     assert outcome.dropped.reason == "filtered" and "rewards equal 1.0" in outcome.dropped.detail
 
 
 def test_pre_drop_uses_the_oldest_token_version():
-    assembler = GroupAssembler(max_staleness=2)
+    assembler = Assembler(max_staleness=2)
     assembler.latest_version = 4
     for record in (traj("g", 0, versions=(3, 4)), traj("g", 1, versions=(1, 4)), lp("g", 0), lp("g", 1)):
         outcome, _ = assembler.add(record)
@@ -82,13 +107,13 @@ def test_pre_drop_uses_the_oldest_token_version():
 
 
 def test_staleness_is_pessimistic():
-    samples = [traj("g", 0, versions=(5, 6)), traj("g", 1, versions=(3, 6))]
+    samples = [ref(traj("g", 0, versions=(5, 6))), ref(traj("g", 1, versions=(3, 6)))]
     assert oldest_version(samples) == 3
     assert staleness(samples, 6) == 3
 
 
 def test_incomplete_groups_expire_with_a_reason():
-    assembler = GroupAssembler()
+    assembler = Assembler()
     assembler.add(traj("g", 0))
     (outcome,) = assembler.expire(older_than_s=-1)
     assert outcome.dropped.reason == "incomplete" and "1/2 trajectories" in outcome.dropped.detail
@@ -108,7 +133,7 @@ def routed_traj(group: str, i: int, chunks: int, size: int = 2):
 def test_a_group_with_routing_waits_for_every_chunk_in_any_order_and_carries_them():
     ids = {i: np.arange(2 * 3 * 2).reshape(2, 3, 2) % 8 + i for i in range(2)}
     chunks = {i: routing.pack(f"g/{i}", "g", i, 2, ids[i], num_experts=16, chunk_tokens=1) for i in range(2)}
-    assembler = GroupAssembler()
+    assembler = Assembler()
     records = [chunks[1][1], lp("g", 0), routed_traj("g", 0, 2), chunks[0][0], routed_traj("g", 1, 2), lp("g", 1),
                chunks[1][0], chunks[1][1]]
     for record in records:
@@ -117,12 +142,13 @@ def test_a_group_with_routing_waits_for_every_chunk_in_any_order_and_carries_the
     assert assembler.add(chunks[0][0]) == (None, False)  # a duplicate chunk
     outcome, fresh = assembler.add(chunks[0][1])
     assert fresh and outcome.dropped is None
-    for sample in outcome.samples:
+    assert [len(row.routing_offsets) for row in outcome.manifest] == [2, 2]
+    for sample in joined(outcome.manifest):
         assert np.array_equal(routing.expert_ids(sample), ids[sample.sample_index])
 
 
 def test_routing_that_contradicts_its_trajectory_is_refused_and_nothing_of_it_kept():
-    assembler = GroupAssembler()
+    assembler = Assembler()
     assembler.add(routed_traj("g", 0, chunks=1))
     extra = routing.pack("g/0", "g", 0, 2, np.zeros((4, 1, 1), dtype=int), num_experts=4, chunk_tokens=2)
     with pytest.raises(MismatchError) as caught:
@@ -148,3 +174,24 @@ def test_routing_packs_into_the_narrowest_width_and_round_trips():
     assert routing.pack("t", "g", 0, 1, wide, num_experts=300)[0].id_bytes == 2
     with pytest.raises(ValueError):
         routing.pack("t", "g", 0, 1, wide, num_experts=256)
+
+
+def test_a_group_lies_in_one_partition_and_a_record_elsewhere_is_refused():
+    assembler = GroupAssembler()
+    assembler.add(ref(traj("g", 0), partition=1))
+    with pytest.raises(MismatchError) as caught:
+        assembler.add(ref(traj("g", 1), partition=2))  # not keyed by its group id
+    assert caught.value.field == "group_id" and len(assembler.partial["g"].trajectories) == 1
+    assert [g.partition for g in assembler.forget({1})] == [1] and not assembler.partial
+
+
+def test_a_record_that_breaks_a_rule_of_its_own_is_refused_before_any_group_sees_it():
+    for record, field_name in ((dataclasses.replace(traj("g", 0), loss_mask=[1, 2]), "loss_mask"),
+                               (dataclasses.replace(traj("g", 0), token_versions=[1]), "token_versions"),
+                               (dataclasses.replace(traj("g", 0), status="pwned"), "status"),
+                               (dataclasses.replace(traj("g", 0), reward=float("nan")), "reward"),
+                               (dataclasses.replace(lp("g", 0), logprobs=[0.5, -0.1]), "logprobs"),
+                               (dataclasses.replace(traj("g", 0), trajectory_id="h/0"), "trajectory_id")):
+        with pytest.raises(MismatchError) as caught:
+            ref(record)
+        assert caught.value.field == field_name

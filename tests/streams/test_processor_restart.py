@@ -18,6 +18,8 @@ from synthetic import (ProcessorProcess, admit, all_partitions, expert_ids, grou
                        with_credit)
 
 from milestream.infra.kafka import LogAdmin, RecordProducer, topic_name
+from milestream.log.reader import BrokerSource
+from milestream.log.samples import logged_samples
 from milestream.schemas import routing, topics
 from milestream.streams.ledger import SETTLED, BufferLedger
 from milestream.streams.processor import app_id
@@ -78,23 +80,18 @@ def publish(producer: RecordProducer, records) -> None:
 
 
 class EmittedGroups:
-    """Every message on buffer.groups, counted by group id (duplicates included)."""
+    """Every manifest on buffer.groups, counted by group id (duplicates included)."""
 
     def __init__(self, cfg):
         self.reader = topic_reader(cfg, topics.GROUPS)
         self.messages: collections.Counter[str] = collections.Counter()
         self.sizes: dict[str, set[int]] = collections.defaultdict(set)
-        self.routing_intact: dict[str, set[bool]] = collections.defaultdict(set)
 
     def catch_up(self, idle_s: float = 0.2) -> None:
         for delivery in self.reader.drain(idle_s=idle_s, max_wait_s=30.0):
             gid = delivery.records[0].group_id
             self.messages[gid] += 1
-            self.sizes[gid].add(sum(1 for s in delivery.records if len(s.logprobs) == len(s.response_ids)))
-            for s in delivery.records:
-                ids = routing.expert_ids(s)
-                if ids is not None:
-                    self.routing_intact[gid].add(np.array_equal(ids, expert_ids(gid, s.sample_index, len(s.response_ids))))
+            self.sizes[gid].add(len(delivery.records))
 
     def wait_for(self, group_ids, processor, timeout_s: float) -> None:
         def arrived() -> bool:
@@ -162,9 +159,14 @@ def test_sigkill_at_several_points_loses_no_group_and_counts_each_once(cfg, tmp_
     assert set(emitted.messages) == set(entered)
     assert dropped == []
     assert all(sizes == {GROUP_SIZE} for sizes in emitted.sizes.values())
+    # each manifest points at its group's records: joined, every sample whole and the routing exact
+    samples = logged_samples(BrokerSource(cfg, idle_s=1.0))
+    assert samples.keys() == set(entered)
     routed = {gid for gid in entered if int(gid.split("-g")[1].split("#")[0]) % 2 == 1}
-    assert emitted.routing_intact.keys() == routed  # joined with their routing chunks, which decode exactly
-    assert all(intact == {True} for intact in emitted.routing_intact.values())
+    intact = {gid: [np.array_equal(ids, expert_ids(gid, s.sample_index, len(s.response_ids)))
+                    for s in group if (ids := routing.expert_ids(s)) is not None] for gid, group in samples.items()}
+    assert {gid for gid, checks in intact.items() if checks} == routed
+    assert all(all(checks) and len(checks) in (0, GROUP_SIZE) for checks in intact.values())
     # the processor's accounting counted each group once, however many times it reached the topic
     duplicates = sum(count - 1 for count in emitted.messages.values())
     print(f"{len(entered)} groups, {duplicates} duplicate emissions, processor totals {totals}")

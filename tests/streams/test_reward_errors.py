@@ -64,8 +64,8 @@ def test_groups_whose_reward_failed_are_dropped_and_their_credit_comes_back(cfg,
         assert record.reason == "reward_error" and record.dropped_by == "processor"
         assert record.detail.endswith(f"RuntimeError: no reward for row {record.group_id[-3]}")
     assert sorted(emitted) == ["rows-s42-e0-0#0", "rows-s42-e0-2#0"]
-    for samples in emitted.values():
-        assert [(s.reward, s.reward_error) for s in samples] == [(1.0, "")] * cfg.rollout.group_size
+    for manifest in emitted.values():
+        assert [row.reward for row in manifest] == [1.0] * cfg.rollout.group_size
     for group_id in emitted:  # the trainer takes the emitted groups: the buffer is empty again
         assert ledger.leave(group_id)
     assert ledger.available() == cfg.buffer_capacity  # no credit leaked

@@ -1,28 +1,22 @@
-"""The trainer's side of the buffer against the real broker: selection, stale drops, resume offsets."""
+"""The trainer's side of the buffer against the real broker: selection, stale drops, resume offsets, and the
+records of the groups taken read where their manifests say."""
 from __future__ import annotations
+
+import dataclasses
+
+from emitted import emit, simple_group
 
 from milestream.train.collector import GroupCollector, freshest_first
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.schemas import topics
-from milestream.schemas.records import GroupSample
-from milestream.streams.ledger import EMITTED, BufferLedger
-
-
-def group(gid: str, version: int, size: int = 4) -> list[GroupSample]:  # the test configuration's group size
-    return [GroupSample(f"{gid}/{i}", gid, "p", i, size, [1], [2], [1], [version], 0.0, "completed", "", "e", "w",
-                        0.0, 0.0, logprobs=[-0.5]) for i in range(size)]
+from milestream.streams.ledger import BufferLedger
 
 
 def publish(cfg, groups: dict[str, int]) -> RecordProducer:
-    """Emit the groups as the processor does: on buffer.groups, then settled (queued) in Redis."""
+    """Emit the groups as the processor does: records on the rollout topics, manifests on buffer.groups, then
+    settled (queued) in Redis; the test configuration's group size."""
     producer = RecordProducer(cfg.broker)
-    ledger = BufferLedger(cfg)
-    for gid, version in groups.items():
-        producer.send(topics.GROUPS, group(gid, version), key=gid)
-        ledger.begin_sending(gid)
-    producer.flush()
-    for gid, version in groups.items():
-        ledger.settle(gid, EMITTED, version)
+    emit(cfg, producer, [r for gid, version in groups.items() for r in simple_group(gid, version, 4)])
     return producer
 
 
@@ -72,3 +66,39 @@ def test_resume_rereads_the_pool_and_skips_what_was_taken(cfg):
     rest = {g.group_id for g, _ in resumed.take(3, version=0, stopping=lambda: False)}
     assert rest == {f"g{i}" for i in range(6)} - taken
     resumed.close()
+
+
+def test_a_taken_group_carries_the_records_its_manifest_points_at(cfg):
+    producer = publish(cfg, {"a": 1, "b": 2})
+    c = collector(cfg, producer)
+    taken = {g.group_id: g for g, _ in c.take(2, version=2, stopping=lambda: False)}
+    for gid, version in (("a", 1), ("b", 2)):
+        samples = taken[gid].samples
+        assert [(s.sample_index, s.token_versions, s.logprobs) for s in samples] == \
+            [(i, [version], [-0.5]) for i in range(4)]
+    c.close()
+
+
+def test_a_manifest_pointing_at_other_records_is_dropped_invalid_and_dead_lettered(cfg):
+    producer = RecordProducer(cfg.broker)
+    manifests = emit(cfg, producer, simple_group("good", 0, 4) + simple_group("forged", 0, 4))
+    forged = manifests["forged"]
+    # the processor sends this manifest again, but its first sample points at the good group's records
+    wrong = [dataclasses.replace(forged[0], trajectory_offset=manifests["good"][0].trajectory_offset,
+                                 partition=manifests["good"][0].partition,
+                                 logprobs_offset=manifests["good"][0].logprobs_offset)] + forged[1:]
+    c = collector(cfg, producer)
+    while len(c.pool) < 2:
+        c._read(timeout=1.0)
+    c.pool["forged"] = dataclasses.replace(c.pool["forged"], manifest=wrong)
+    assert [g.group_id for g, _ in c.take(1, version=0, stopping=lambda: False)] == ["good"]
+    assert c.take(1, version=0, stopping=lambda: "forged" in c.seen_groups) is None  # refused when chosen
+    producer.flush()
+    drops = RecordConsumer(cfg.broker, topics.DROPPED, "audit").assign(partitions=range(cfg.broker.partitions))
+    (dropped,) = [r for d in drops.drain() for r in d.records]
+    assert (dropped.group_id, dropped.reason, dropped.dropped_by) == ("forged", "invalid", "trainer")
+    assert dropped.detail.startswith("trajectory_id")
+    letters = RecordConsumer(cfg.broker, topics.DEADLETTER, "audit").assign(partitions=range(cfg.broker.partitions))
+    (letter,) = [r for d in letters.drain() for r in d.records]
+    assert letter.source_topic.endswith("buffer.groups") and letter.field == "trajectory_id"
+    c.close()

@@ -1,0 +1,43 @@
+"""The samples of emitted groups, from the log alone: each manifest on ``buffer.groups`` joined with the
+rollout records it points at, as the trainer joined them (streams/groups.py ``join_sample``).
+
+Records come back at their archived offsets (log/restore.py), so a manifest's positions hold in the archive
+as on the broker. A group emitted more than once (a processor restart re-sends it) is the same group: the
+first manifest counts.
+"""
+from __future__ import annotations
+
+from milestream.log.reader import LogSource
+from milestream.schemas import topics
+from milestream.schemas.records import GroupManifest, GroupSample, Record
+from milestream.streams.groups import join_sample
+
+SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
+
+
+def logged_manifests(source: LogSource) -> dict[str, list[GroupManifest]]:
+    """Each emitted group's first manifest, by group id."""
+    out: dict[str, list[GroupManifest]] = {}
+    for message in source.messages(topics.GROUPS):
+        if message.records:
+            out.setdefault(message.records[0].group_id, message.records)
+    return out
+
+
+def logged_samples(source: LogSource, wanted: set[str] | None = None) -> dict[str, list[GroupSample]]:
+    """The samples of the emitted groups (``wanted`` ones only, when given), by group id."""
+    manifests = {g: rows for g, rows in logged_manifests(source).items() if wanted is None or g in wanted}
+    if not manifests:
+        return {}
+    records: dict[tuple[str, int, int], list[Record]] = {
+        (spec.name, m.partition, m.offset): m.records for spec in SOURCES for m in source.messages(spec)}
+
+    def at(spec: topics.TopicSpec, partition: int, offset: int, row: int) -> Record:
+        return records[(spec.name, partition, offset)][row]
+
+    return {group_id: [join_sample(r, at(topics.TRAJECTORIES, r.partition, r.trajectory_offset, r.trajectory_row),
+                                   at(topics.LOGPROBS, r.partition, r.logprobs_offset, r.logprobs_row),
+                                   [at(topics.ROUTING, r.partition, o, i)
+                                    for o, i in zip(r.routing_offsets, r.routing_rows)])
+                       for r in rows]
+            for group_id, rows in manifests.items()}
