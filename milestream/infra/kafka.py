@@ -405,15 +405,13 @@ class SourceConsumer:
 class PositionReader:
     """Reads the messages at given offsets (the trainer reads a group's records where its manifest says they lie).
 
-    A read assigns the partitions it wants at its lowest wanted offset and reads forward, so groups laid out in
-    offset order cost one sequential pass; an offset more than ``gap`` offsets ahead of the read position is
-    sought (skipping a few small records is cheaper than a seek; one large record is not). Partitions are
-    unassigned between reads (a paused partition can wait a second for its next fetch once resumed), and the
-    local queue is kept small, so little is fetched past what a read asks for."""
+    A read assigns the partitions it wants at the lowest wanted offset and reads forward, so groups laid out in
+    offset order cost one pass; an offset more than ``gap`` ahead is sought (skipping a few small records costs
+    less than a seek, one large record does not). Partitions are unassigned after a read (a resumed one can
+    wait a second for its next fetch), and the local queue is small: little is fetched past what a read wants.
+    Its records are on the log already, so no fetch waits for more, nor backs off once the queue is full."""
 
     def __init__(self, cfg: BrokerConfig, group_id: str, gap: int = 8, queue_kbytes: int = 8192):
-        # what it reads is on the log already: a fetch that waits for more, or backs off for a second once the
-        # small queue is full (librdkafka's default), only delays the read that wants the next records
         self.consumer = Consumer(client_config(cfg, **{
             "group.id": group_id, "enable.auto.commit": "false", "fetch.message.max.bytes": str(cfg.max_message_bytes),
             "fetch.wait.max.ms": "1", "queued.max.messages.kbytes": str(queue_kbytes), "fetch.queue.backoff.ms": "1"}))
@@ -423,32 +421,31 @@ class PositionReader:
     def read(self, wanted: Iterable[tuple[str, int, int]], timeout_s: float = 120.0) -> dict[tuple[str, int, int], RawMessage]:
         """The messages at (full topic, partition, offset) ``wanted``, those found within ``timeout_s``."""
         need: dict[Partition, list[int]] = {}
-        for topic, partition, offset in set(wanted):
+        for topic, partition, offset in sorted(set(wanted), reverse=True):  # the next wanted offset last
             need.setdefault((topic, partition), []).append(offset)
-        if not need:
-            return {}
-        for offsets in need.values():
-            offsets.sort(reverse=True)  # the next wanted offset last
         self.next = {tp: offsets[-1] for tp, offsets in need.items()}
-        self.consumer.incremental_assign([TopicPartition(t, p, o) for (t, p), o in self.next.items()])
         found: dict[tuple[str, int, int], RawMessage] = {}
+        if not need:
+            return found
+        self.consumer.incremental_assign([TopicPartition(t, p, o) for (t, p), o in self.next.items()])
         deadline = time.monotonic() + timeout_s
         try:
             while (remaining := sum(len(offsets) for offsets in need.values())) and time.monotonic() < deadline:
                 for message in _raw_batch(self.consumer, min(remaining, 256), 0.1):
-                    self._take(message, need, found)
+                    self._take(message, need.get((message.topic, message.partition), []), found)
         finally:
             self.consumer.incremental_unassign([TopicPartition(t, p) for t, p in self.next])
         return found
 
-    def _take(self, message: RawMessage, need: dict[Partition, list[int]], found: dict) -> None:
+    def _take(self, message: RawMessage, offsets: list[int], found: dict) -> None:
         tp = (message.topic, message.partition)
+        if tp not in self.next:  # of no partition this read assigned
+            return
         self.next[tp] = message.offset + 1
-        offsets = need[tp]
         if offsets and offsets[-1] == message.offset:
-            found[(message.topic, message.partition, offsets.pop())] = message
-        if offsets and not 0 <= offsets[-1] - self.next[tp] <= self.gap:  # far ahead, or passed (fetched before
-            self.consumer.seek(TopicPartition(tp[0], tp[1], offsets[-1]))  # a seek back): go there
+            found[(*tp, offsets.pop())] = message
+        if offsets and not 0 <= offsets[-1] - self.next[tp] <= self.gap:  # far ahead, or passed (a message
+            self.consumer.seek(TopicPartition(*tp, offsets[-1]))  # fetched before a seek back): go there
             self.next[tp] = offsets[-1]
 
     def close(self) -> None:

@@ -101,6 +101,7 @@ def decode_table(value: bytes | None, cls: type[Record], position: Position = Po
     stream = _inflated(value, position) if value[:4] == _ZSTD_MAGIC else value
     try:
         table = pa.ipc.open_stream(pa.py_buffer(stream), options=_READ_OPTIONS).read_all()
+        table.validate(full=True)  # offsets inside their buffers: its columns are read in place, not copied
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise RecordError(position, "<value>", f"not an Arrow IPC stream: {exc}") from None
     found = (table.schema.metadata or {}).get(_METADATA_KEY, b"<none>").decode(errors="replace")

@@ -236,14 +236,16 @@ class Processor:
             taken.held.release()
             return
         taken.held.release()
-        newest = max(record.version for record in records)
-        if newest > self.assembler.latest_version:
-            self.assembler.latest_version = newest
-            self.publish_metrics()  # once per trainer step, besides the timer
+        self._new_version(max(record.version for record in records))
 
     def _follow_trainer(self) -> None:
         """The trainer's newest version from the ledger: what a member without weights.versions goes by."""
-        self.assembler.latest_version = max(self.assembler.latest_version, self.ledger.trainer_version() or 0)
+        self._new_version(self.ledger.trainer_version() or 0)
+
+    def _new_version(self, version: int) -> None:
+        if version > self.assembler.latest_version:
+            self.assembler.latest_version = version
+            self.publish_metrics()  # once per trainer step, besides the timer
 
     # ---- groups leaving ------------------------------------------------------------------------------
 
