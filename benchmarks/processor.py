@@ -1,12 +1,13 @@
-"""Stream-processor throughput and latency, against a plain faust forward of the same records.
+"""Stream-processor throughput and latency, against a plain forward of the same records by the same client.
 
 Prints one JSON line:
   processor_groups_s   groups/s through the processor: a burst of groups published onto
                        rollout.trajectories + rollout.logprobs, from the first publish to the last
                        group's emission on buffer.groups
-  forward_groups_s     the same records, the same burst, through a minimal faust app with the
-                       processor's own settings that forwards the raw values of both source topics to
-                       one topic: groups/s to the forwarding of the last record
+  forward_groups_s     the same records, the same burst, through a minimal forwarder on the processor's
+                       own clients (a consumer-group member taking batches, the same producer) that sends
+                       the raw values of both source topics on to one topic: groups/s to the forwarding
+                       of the last record
   ratio                processor_groups_s / forward_groups_s
   p50_ms / p99_ms      the last record of a group published -> its group emitted on buffer.groups, at
                        a paced rate (no backlog queueing); forward_p50_ms / forward_p99_ms: the same
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a fol
 import data_plane  # noqa: E402
 
 from milestream.config import Config, load_config  # noqa: E402
-from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, topic_name  # noqa: E402
+from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, SourceConsumer  # noqa: E402
 from milestream.infra.secret_env import stage_environment  # noqa: E402
 from milestream.infra.services import die_with_parent, services  # noqa: E402
 from milestream.schemas import topics  # noqa: E402
@@ -46,21 +47,19 @@ SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS)
 
 
 def serve_forward(cfg: Config) -> None:
-    """The baseline app: every source value forwarded as it is, on the processor's faust app and settings."""
-    import faust
+    """The baseline: every source value forwarded as it is, on the processor's clients and batch size."""
+    from milestream.streams.processor import BATCH
 
-    from milestream.streams.processor import ProcessorApp, faust_settings
-
-    app = ProcessorApp(f"{cfg.broker.topic_prefix}bench-forward", **faust_settings(cfg))
-    app.fetch_wait_ms = cfg.broker.fetch_wait_ms
-    out = app.topic(topic_name(cfg.broker, FORWARDED))
-
-    @app.agent(app.topic(*(topic_name(cfg.broker, spec) for spec in SOURCES)), name="forward")
-    async def forward(stream) -> None:
-        async for event in stream.events():
-            await out.send(key=event.key, value=event.value, headers=event.message.headers)
-
-    faust.Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
+    consumer = SourceConsumer(cfg.broker, SOURCES, f"{cfg.broker.topic_prefix}bench-forward")
+    producer = RecordProducer(cfg.broker, client_id="bench-forward")
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    while not stopping:
+        for message in consumer.consume(BATCH, 0.05):
+            producer.send_raw(FORWARDED, message.value, message.key, message.headers)
+        producer.poll()
+    producer.flush()
+    consumer.close()
 
 
 def start_forward(cfg: Config, workdir: Path) -> subprocess.Popen:
@@ -106,22 +105,18 @@ def measure(cfg: Config, start_app: Callable[[], subprocess.Popen], output: topi
     reader = OutputReader(cfg, output)
     app = start_app()
     try:
-        data_plane.publish(producer, *warmup)
-        producer.flush()
+        data_plane.publish(producer, [warmup])
         reader.emitted({warmup[0]: messages_per_group})  # the app has joined its group and is reading
         started = time.time()
-        for gid, records in burst:
-            data_plane.publish(producer, gid, records)
-        producer.flush()
+        data_plane.publish(producer, burst)
         emitted = reader.emitted({gid: messages_per_group for gid, _ in burst})
         groups_s = len(burst) / (max(emitted.values()) - started)
         latencies = []
         for gid, records in paced:
             began = time.monotonic()
-            data_plane.publish(producer, gid, records[:-1])
+            data_plane.publish(producer, [(gid, records[:-1])])
             last_published = time.time()  # just before the group's last record is produced
-            data_plane.publish(producer, gid, records[-1:])
-            producer.flush()
+            data_plane.publish(producer, [(gid, records[-1:])])
             latencies.append((reader.emitted({gid: messages_per_group})[gid] - last_published) * 1000)
             time.sleep(max(0.0, 1 / rate_per_s - (time.monotonic() - began)))
         return groups_s, latencies
@@ -148,10 +143,10 @@ def main() -> None:
     if args.serve_forward:
         serve_forward(load_config(args.serve_forward))
         return
-    rng = random.Random(0)
-    make = lambda i: data_plane.make_group(i, args.group_size, args.prompt_tokens, args.response_tokens, rng)  # noqa: E731
-    warmup, burst = make(-1), [make(i) for i in range(args.groups)]
-    paced = [make(args.groups + i) for i in range(args.latency_groups)]
+    groups = data_plane.Groups(data_plane.Size(args.group_size, args.prompt_tokens, args.response_tokens, False,
+                                               args.groups, args.latency_groups, 1))
+    warmup, burst = groups.make("warmup#0"), groups.many("burst", args.groups)
+    paced = groups.many("paced", args.latency_groups)
     per_group = 2 * args.group_size  # source records of one group: its trajectories and log-probs
     with services(Config()) as live, tempfile.TemporaryDirectory() as workdir:
         processor_cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, rollout={"group_size": args.group_size},
