@@ -15,7 +15,6 @@ from stage_runs import print_logs_unless_done, running, start_run
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import BrokerSource
 from milestream.log.samples import logged_samples
-from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger, Reconciled
 
 PLUGINS = str(Path(__file__).parent / "plugins")
