@@ -207,6 +207,9 @@ class RolloutWorker:
             task.cancel()
         await asyncio.gather(admit, *background, *running, return_exceptions=True)
         log.info("worker %s stopped: %d groups aborted", self.worker_id, len(running))
+        self.close()
+
+    def close(self) -> None:
         self.producer.flush()
         self.prompts.close()
         self.versions.close()
