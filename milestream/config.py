@@ -167,6 +167,9 @@ class RolloutConfig(Section):
     temperature: float = 1.0
     max_inflight_samples: int = 16
     max_batch: int = 32  # engine batch (samples generated together)
+    # the CPU engine and the trainer (local backend) compute every log-prob alike, bit for bit
+    # (infra/on_policy.py): batch-invariant linear layers and attention, the trainer's dtype path
+    true_on_policy: bool = False
     refill: Literal["sample", "group"] = "sample"
     num_workers: int = 1
     # None: each worker runs a CpuEngine in-process; a URL: engines behind SGLang's HTTP API (an engine

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from milestream.config import ModelConfig, RolloutConfig
-from milestream.infra import faults
+from milestream.infra import faults, on_policy
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict, stop_token_ids
 from milestream.engines.moe_routing import RecordedRouting, RoutingTap, RowRouting
 
@@ -153,8 +153,14 @@ class CpuEngine:
         admit_window_s: float = 0.005,  # lets a burst of concurrent generate() calls share one prefill
         inflight: InflightPolicy = "retract",  # what rows decoding when a weight update lands become
     ) -> None:
-        self.model: nn.Module = load_model(model_cfg, dtype=compute_dtype(model_cfg))
+        # true on-policy: the trainer's numerics (infra/on_policy.py), its fp32 weights under its autocast
+        self._exact = rollout_cfg.true_on_policy
+        self._compute_dtype = compute_dtype(model_cfg)
+        self.model: nn.Module = load_model(model_cfg, dtype=torch.float32 if self._exact else self._compute_dtype)
         self.model.requires_grad_(False)
+        if self._exact:
+            on_policy.make_exact(self.model)
+            on_policy.cast_linear_weights(self.model, self._compute_dtype)
         self._routing_tap = RoutingTap.attach(self.model)  # None: a dense model, nothing to record
         self._max_batch = rollout_cfg.max_batch
         self._admit_window_s = admit_window_s
@@ -221,6 +227,9 @@ class CpuEngine:
             started = time.perf_counter()
             self._settle_inflight()
             load_trainable_state_dict(self.model, tensors)
+            if self._exact:
+                params = dict(self.model.named_parameters())
+                on_policy.cast_linear_weights(self.model, self._compute_dtype, [params[name] for name in tensors])
             self._version = version
             self.update_pause_s = time.perf_counter() - started
 
@@ -232,12 +241,16 @@ class CpuEngine:
         retract  they leave the batch with the tokens they have and go back to the front of the
                  queue; the next step prefills prompt + those tokens with the new weights and they
                  resume. Every token keeps the version that produced it.
+
+        Under true on-policy keep retracts: a token decoded over the old weights' keys is what no
+        forward of the new weights computes, so the trainer could never match it.
         """
         batch = self._batch
-        if batch is None or self._inflight == "keep":
+        policy = "retract" if self._exact and self._inflight == "keep" else self._inflight
+        if batch is None or policy == "keep":
             return
         self._batch = None
-        if self._inflight == "abort":
+        if policy == "abort":
             for row in batch.rows:
                 row.resolve("abort")
             return
@@ -316,7 +329,7 @@ class CpuEngine:
             ids[i, width - len(prompt) :] = torch.tensor(prompt)
             mask[i, width - len(prompt) :] = 1
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(
+        logits = self._forward(
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
@@ -335,7 +348,7 @@ class CpuEngine:
 
     def _decode(self, batch: _Batch) -> None:
         batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
-        logits = self.model(
+        logits = self._forward(
             input_ids=batch.last[:, None],
             attention_mask=batch.mask,
             position_ids=batch.pos[:, None],
@@ -347,9 +360,16 @@ class CpuEngine:
         batch.pos = batch.pos + 1
         self._sample_and_finish(batch, logits)
 
+    def _forward(self, **inputs) -> Tensor:
+        """The model's output; under true on-policy in the trainer's compute context."""
+        if not self._exact:
+            return self.model(**inputs)
+        with on_policy.autocast(self._compute_dtype):
+            return self.model(**inputs)
+
     def _sample_and_finish(self, batch: _Batch, logits: Tensor) -> None:
         """Samples one token per row, records it, and resolves and drops the rows that are done."""
-        tokens, logprobs = self._sample(logits.float(), [row.request.sampling.temperature for row in batch.rows])
+        tokens, logprobs = self._sample(logits, [row.request.sampling.temperature for row in batch.rows])
         batch.last = tokens
         keep = []
         for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
@@ -368,10 +388,9 @@ class CpuEngine:
         self._keep(batch, keep)
 
     def _sample(self, logits: Tensor, temperatures: list[float]) -> tuple[Tensor, Tensor]:
-        temps = torch.tensor(temperatures, dtype=logits.dtype)[:, None]
-        greedy = temps == 0
-        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps), dim=-1)
-        tokens = torch.where(greedy, logits.argmax(-1, keepdim=True), self._inverse_cdf(logp))
+        temps = torch.tensor(temperatures, dtype=torch.float32)[:, None]
+        logp = torch.log_softmax(on_policy.scaled_logits(logits, temps), dim=-1)  # as the trainer computes it
+        tokens = torch.where(temps == 0, logits.argmax(-1, keepdim=True), self._inverse_cdf(logp))
         return tokens[:, 0], logp.gather(-1, tokens)[:, 0]
 
     def _inverse_cdf(self, logp: Tensor) -> Tensor:
