@@ -3,18 +3,19 @@ same operations in the same order, so both give the same float, bit for bit (rol
 
 Three things make a row's result depend on what else is computed with it, and each is removed here:
 
-linear layers   MKL's sgemm gives a row a different result when the matrix has a few rows (M < 4
-                on one thread, up to M < 28 on sixteen: its tail kernels sum in another order);
-                M a multiple of 4 always gets the panel kernel. ``RowBlockLinear`` pads the rows of
-                every call to a multiple of ``ROW_BLOCK`` with zero rows, which it drops after.
-attention       padding and batch change the length of softmax's and P.V's reductions, and MKL's
-                batched matmul is not batch invariant either (an entry's result depends on the
-                batch). ``exact_attention`` gives every query a window of its own keys, from its
-                first real key, ``KEY_BUCKET``-rounded (so one shape serves many queries), masked
-                past its last, and reduces with ATen's elementwise product, sum and softmax, whose
-                result for one row depends only on that row: a decode step over a left-padded batch
-                and a full forward over one unpadded sequence then reduce the same numbers in the
-                same order.
+linear layers   MKL's sgemm gives a row another result when the call has few rows (M < 4 on one
+                thread, up to M < 28 on sixteen, and never when M is a multiple of 4: its tail
+                kernels sum in another order). ``RowBlockLinear`` pads the rows of every call to a
+                multiple of ``ROW_BLOCK`` with zero rows, which it drops after.
+attention       padding changes the length of softmax's and P.V's reductions, and a batched
+                matmul of 2 or 3 rows an entry (a decode step's query heads per kv head) is not
+                batch invariant. ``exact_attention`` gives each query the keys of its row from the
+                row's first, ``KEY_BUCKET``-rounded (one shape serves many queries) and masked past
+                its own last, and multiplies per row and kv head the row's queries, padded to
+                ``ROW_BLOCK`` rows, against that window (batched; with rows a multiple of 16 an
+                entry's result depends neither on the batch nor on its other rows): a decode step
+                over a left-padded batch and a full forward over one unpadded sequence reduce the
+                same numbers in the same order.
 dtype path      the engine computes as the trainer does: fp32 weights and residual stream, bf16
                 autocast where compute_dtype is bf16. ``cast_linear_weights`` gives the engine the
                 bf16 weights autocast would cast each forward (the same rounding), cast once.
@@ -106,44 +107,66 @@ def exact_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         for bucket in buckets.unique().tolist():
             if bucket == 0:  # a padding query: no key to attend, its output is never read
                 continue
-            rows, cols = (buckets == bucket).nonzero(as_tuple=True)
-            window = _attend(q[rows, cols], k, v, rows, starts[rows, cols], counts[rows, cols],
-                             bucket * KEY_BUCKET, scaling)
+            rows, cols = (buckets == bucket).nonzero(as_tuple=True)  # row-major: each row's queries together
+            window = _attend(q[rows, cols], k, v, rows, starts, counts[rows, cols], bucket * KEY_BUCKET, scaling)
             out = out.index_put((rows, cols), window)
     return out, None
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, starts: Tensor, counts: Tensor, length: int,
             scaling: float) -> Tensor:
-    """N queries [N, H, D], each over ``length`` keys of its row from its first one (those past its
-    count masked); every tensor made contiguous in one layout, whatever N and the caller's layout."""
+    """N queries [N, H, D] of one window length: for each batch row and kv head, one matmul of the
+    row's queries (those of its query heads, stacked, padded to ``ROW_BLOCK`` rows: MKL gives a row
+    of a batched matmul the same result whatever the batch and the rows around it then) against
+    the ``length`` keys from the row's first, each query masked past its own count."""
     n, heads, dim = q.shape
     kv_heads = k.shape[2]
+    rep = heads // kv_heads  # query head h reads kv head h // rep
+    owners, slot, per_owner = torch.unique_consecutive(rows, return_inverse=True, return_counts=True)
+    local = torch.arange(n) - (per_owner.cumsum(0) - per_owner)[slot]
+    width = int(per_owner.max())
+    grid = q.new_zeros(len(owners), width, heads, dim).index_put((slot, local), q)
+    stacked = width * rep
+    extra = -(-stacked // ROW_BLOCK) * ROW_BLOCK - stacked
+    queries = nn.functional.pad(_entries(grid, kv_heads), (0, 0, 0, extra))  # [R * Hkv, padded, D]
     offsets = torch.arange(length)
-    positions = (starts[:, None] + offsets).clamp(max=k.shape[1] - 1)  # clamped keys are masked below
-    keys = k[rows[:, None], positions].permute(0, 2, 1, 3).contiguous().unsqueeze(2)  # [N, Hkv, 1, L, D]
-    values = v[rows[:, None], positions].permute(0, 2, 1, 3).contiguous().unsqueeze(2)
-    grouped = q.reshape(n, kv_heads, heads // kv_heads, 1, dim)  # query head h reads kv head h // rep
-    scores = (grouped * keys).sum(-1) * scaling  # [N, Hkv, rep, L]
-    scores = scores.masked_fill((offsets >= counts[:, None])[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs.unsqueeze(-1) * values).sum(-2).reshape(n, heads, dim)
+    positions = (starts[owners][:, None] + offsets).clamp(max=k.shape[1] - 1)  # clamped keys are masked
+    keys = k[owners[:, None], positions].transpose(1, 2).reshape(-1, length, dim)  # [R * Hkv, L, D]
+    values = v[owners[:, None], positions].transpose(1, 2).reshape(-1, length, dim)
+    # an empty slot or padding row sees every key (of zero scores): a fully masked row would be nan
+    seen = counts.new_full((len(owners), width, heads), length).index_put((slot, local), counts[:, None].expand(n, heads))
+    seen = nn.functional.pad(_entries(seen[..., None], kv_heads)[..., 0], (0, extra), value=length)
+    scores = torch.bmm(queries, keys.transpose(1, 2)) * scaling  # [R * Hkv, padded, L]
+    probs = torch.softmax(scores.masked_fill(offsets >= seen[..., None], float("-inf")), dim=-1)
+    mixed = torch.bmm(probs, values)[:, :stacked]  # [R * Hkv, width * rep, D]
+    grid = mixed.reshape(len(owners), kv_heads, width, rep, dim).transpose(1, 2).reshape(len(owners), width, heads, dim)
+    return grid[slot, local]
+
+
+def _entries(grid: Tensor, kv_heads: int) -> Tensor:
+    """[R, W, H, X] -> [R * Hkv, W * rep, X]: one entry per row and kv head, its query heads stacked."""
+    rows, width, heads, last = grid.shape
+    rep = heads // kv_heads
+    return grid.reshape(rows, width, kv_heads, rep, last).transpose(1, 2).reshape(rows * kv_heads, width * rep, last)
 
 
 def _key_ranges(mask: Tensor | None, batch: int, queries: int, keys: int) -> tuple[Tensor, Tensor]:
-    """Each query's first key and number of keys [B, Q]; refuses a mask whose keys are not one run."""
+    """Each row's first key [B] and each query's number of keys [B, Q]; refuses a mask whose keys for
+    one query are not one run from the row's first key."""
     if mask is None:  # causal, unpadded: query j sees keys 0 .. keys - queries + j
         counts = (torch.arange(queries) + keys - queries + 1).expand(batch, queries)
-        return torch.zeros_like(counts), counts
+        return torch.zeros(batch, dtype=torch.long), counts
     if mask.dtype != torch.bool:
         raise ValueError(f"exact attention needs a boolean mask, got {mask.dtype}")
     seen = mask[:, 0].expand(batch, queries, keys).to(torch.uint8)
     counts = seen.sum(-1)
     starts = seen.argmax(-1)
     ends = keys - seen.flip(-1).argmax(-1)
-    if bool(((ends - starts != counts) & (counts > 0)).any()):
-        raise ValueError("exact attention needs each query's keys in one run (no sliding window or packing)")
-    return starts, counts
+    first = torch.where(counts > 0, starts, keys).amin(-1)
+    if bool((((ends - starts != counts) | (starts != first[:, None])) & (counts > 0)).any()):
+        raise ValueError("exact attention needs each query's keys in one run from its row's first "
+                         "(no sliding window or packing)")
+    return first, counts
 
 
 def _exact_mask(*args, **kwargs) -> Tensor | None:
