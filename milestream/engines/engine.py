@@ -229,7 +229,7 @@ class CpuEngine:
             load_trainable_state_dict(self.model, tensors)
             if self._exact:
                 params = dict(self.model.named_parameters())
-                on_policy.cast_linear_weights(self.model, self._compute_dtype, [params[name] for name in tensors])
+                on_policy.recast_tied(self.model, self._compute_dtype, [params[name] for name in tensors])
             self._version = version
             self.update_pause_s = time.perf_counter() - started
 

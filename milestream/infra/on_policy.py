@@ -17,8 +17,9 @@ attention       padding changes the length of softmax's and P.V's reductions, an
                 over a left-padded batch and a full forward over one unpadded sequence reduce the
                 same numbers in the same order.
 dtype path      the engine computes as the trainer does: fp32 weights and residual stream, bf16
-                autocast where compute_dtype is bf16. ``cast_linear_weights`` gives the engine the
-                bf16 weights autocast would cast each forward (the same rounding), cast once.
+                autocast where compute_dtype is bf16. ``cast_linear_weights`` gives the engine's
+                linear layers the bf16 weights autocast would cast each forward, cast once: the
+                engine holds what it held before, bf16 weights, but fp32 norms and embeddings.
 
 ``scaled_logits`` is the last step both sides share: the logits in fp32 divided by the temperature,
 before log_softmax. What stays outside: MoE routing (expert loops), other attention layouts
@@ -76,13 +77,31 @@ def make_exact(model: nn.Module) -> nn.Module:
     return model
 
 
-def cast_linear_weights(model: nn.Module, dtype: torch.dtype, changed: Iterable[Tensor] | None = None) -> None:
-    """Caches each RowBlockLinear's weight in ``dtype`` (all of them, or those whose weight is one of
-    ``changed``); fp32 keeps none: the weights are used as they are."""
-    ids = None if changed is None else {id(t) for t in changed}
+def cast_linear_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """The engine's linear layers in ``dtype``, as autocast casts them each forward (the same rounding),
+    once: in place, but for a weight an embedding shares (a tied lm_head), which stays fp32 for the
+    embedding's lookup and is cast into ``cast_weight``. fp32: nothing to cast."""
+    if dtype == torch.float32:
+        return
+    tied = _tied(model)
     for module in model.modules():
-        if isinstance(module, RowBlockLinear) and (ids is None or id(module.weight) in ids):
-            module.cast_weight = None if dtype == torch.float32 else module.weight.detach().to(dtype)
+        if isinstance(module, RowBlockLinear):
+            if id(module.weight) in tied:
+                module.cast_weight = module.weight.detach().to(dtype)
+            else:
+                module.to(dtype)
+
+
+def recast_tied(model: nn.Module, dtype: torch.dtype, changed: Iterable[Tensor]) -> None:
+    """After a weight update into ``changed``: the cast copies of those that are tied weights."""
+    ids = {id(t) for t in changed} & _tied(model)
+    for module in model.modules():
+        if isinstance(module, RowBlockLinear) and id(module.weight) in ids:
+            module.cast_weight = module.weight.detach().to(dtype)
+
+
+def _tied(model: nn.Module) -> set[int]:
+    return {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
 
 
 def autocast(dtype: torch.dtype) -> AbstractContextManager:
