@@ -4,18 +4,18 @@ same operations in the same order, so both give the same float, bit for bit (rol
 Three things make a row's result depend on what else is computed with it, and each is removed here:
 
 linear layers   MKL's sgemm gives a row another result when the call has few rows (M < 4 on one
-                thread, up to M < 28 on sixteen, and never when M is a multiple of 4: its tail
-                kernels sum in another order). ``RowBlockLinear`` pads the rows of every call to a
-                multiple of ``ROW_BLOCK`` with zero rows, which it drops after.
+                thread, up to M < 28 on sixteen, never when M is a multiple of 4: its tail kernels
+                sum in another order). ``RowBlockLinear`` pads the rows of every call to a multiple
+                of ``ROW_BLOCK`` with zero rows, which it drops after.
 attention       padding changes the length of softmax's and P.V's reductions, and a batched
                 matmul of 2 or 3 rows an entry (a decode step's query heads per kv head) is not
                 batch invariant. ``exact_attention`` gives each query the keys of its row from the
                 row's first, ``KEY_BUCKET``-rounded (one shape serves many queries) and masked past
                 its own last, and multiplies per row and kv head the row's queries, padded to
-                ``ROW_BLOCK`` rows, against that window (batched; with rows a multiple of 16 an
-                entry's result depends neither on the batch nor on its other rows): a decode step
-                over a left-padded batch and a full forward over one unpadded sequence reduce the
-                same numbers in the same order.
+                ``ROW_BLOCK`` rows, against that window (batched: an entry's result then depends
+                neither on the batch nor on its other rows): a decode step over a left-padded
+                batch and a full forward over one unpadded sequence reduce the same numbers in the
+                same order.
 dtype path      the engine computes as the trainer does: fp32 weights and residual stream, bf16
                 autocast where compute_dtype is bf16. ``cast_linear_weights`` gives the engine's
                 linear layers the bf16 weights autocast would cast each forward, cast once: the
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +37,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 EXACT_ATTENTION = "milestream_exact"
-ROW_BLOCK = 16  # a multiple of every sgemm row panel seen (4); the cost is at most 15 zero rows a call
+# rows of a matmul: with a multiple of 4, MKL's sgemm and batched sgemm give a row the same result
+# whatever the other rows and the batch (checked on its AVX512 and AVX2 paths, 1 to 16 threads)
+ROW_BLOCK = 4
 KEY_BUCKET = 32  # window lengths are multiples of this: fewer distinct shapes, at most 31 masked keys each
 
 
@@ -57,9 +60,8 @@ class RowBlockLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
-        padded = -(-rows // ROW_BLOCK) * ROW_BLOCK
-        if padded != rows:
-            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+        if extra := _padding(rows):
+            flat = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])])
         weight = self.weight if self.cast_weight is None else self.cast_weight
         out = nn.functional.linear(flat, weight, self.bias)
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
@@ -117,56 +119,96 @@ def exact_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     if dropout:
         raise ValueError("exact attention has no dropout")
     batch, heads, queries, dim = query.shape
-    starts, counts = _key_ranges(attention_mask, batch, queries, key.shape[2])
-    buckets = (counts + KEY_BUCKET - 1) // KEY_BUCKET
+    shape = (batch, queries, key.shape[2], heads, key.shape[1])
+    windows = _plans.get(attention_mask, shape)
     with torch.autocast("cpu", enabled=False):
-        q = query.float().transpose(1, 2)  # [B, Q, H, D]
-        k, v = key.float().transpose(1, 2), value.float().transpose(1, 2)  # [B, K, Hkv, D]
-        out = q.new_zeros(batch, queries, heads, dim)
-        for bucket in buckets.unique().tolist():
-            if bucket == 0:  # a padding query: no key to attend, its output is never read
-                continue
-            rows, cols = (buckets == bucket).nonzero(as_tuple=True)  # row-major: each row's queries together
-            window = _attend(q[rows, cols], k, v, rows, starts, counts[rows, cols], bucket * KEY_BUCKET, scaling)
-            out = out.index_put((rows, cols), window)
+        out = query.new_zeros(batch, queries, heads, dim, dtype=torch.float32)
+        for window in windows:
+            out = out.index_put((window.rows, window.cols), _attend(window, query, key, value, scaling))
     return out, None
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, starts: Tensor, counts: Tensor, length: int,
-            scaling: float) -> Tensor:
-    """N queries [N, H, D] of one window length: for each batch row and kv head, one matmul of the
-    row's queries (those of its query heads, stacked, padded to ``ROW_BLOCK`` rows: MKL gives a row
-    of a batched matmul the same result whatever the batch and the rows around it then) against
-    the ``length`` keys from the row's first, each query masked past its own count."""
-    n, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    rep = heads // kv_heads  # query head h reads kv head h // rep
-    owners, slot, per_owner = torch.unique_consecutive(rows, return_inverse=True, return_counts=True)
-    local = torch.arange(n) - (per_owner.cumsum(0) - per_owner)[slot]
-    width = int(per_owner.max())
-    grid = q.new_zeros(len(owners), width, heads, dim).index_put((slot, local), q)
-    stacked = width * rep
-    extra = -(-stacked // ROW_BLOCK) * ROW_BLOCK - stacked
-    queries = nn.functional.pad(_entries(grid, kv_heads), (0, 0, 0, extra))  # [R * Hkv, padded, D]
-    offsets = torch.arange(length)
-    positions = (starts[owners][:, None] + offsets).clamp(max=k.shape[1] - 1)  # clamped keys are masked
-    keys = k[owners[:, None], positions].transpose(1, 2).reshape(-1, length, dim)  # [R * Hkv, L, D]
-    values = v[owners[:, None], positions].transpose(1, 2).reshape(-1, length, dim)
-    # an empty slot or padding row sees every key (of zero scores): a fully masked row would be nan
-    seen = counts.new_full((len(owners), width, heads), length).index_put((slot, local), counts[:, None].expand(n, heads))
-    seen = nn.functional.pad(_entries(seen[..., None], kv_heads)[..., 0], (0, extra), value=length)
-    scores = torch.bmm(queries, keys.transpose(1, 2)) * scaling  # [R * Hkv, padded, L]
-    probs = torch.softmax(scores.masked_fill(offsets >= seen[..., None], float("-inf")), dim=-1)
-    mixed = torch.bmm(probs, values)[:, :stacked]  # [R * Hkv, width * rep, D]
-    grid = mixed.reshape(len(owners), kv_heads, width, rep, dim).transpose(1, 2).reshape(len(owners), width, heads, dim)
-    return grid[slot, local]
+@dataclass(frozen=True)
+class _Window:
+    """The queries of one window length, laid out for the matmuls; the same for every layer of a forward."""
+
+    rows: Tensor  # [N] each query's batch row
+    cols: Tensor  # [N] and its index among the queries
+    owners: Tensor  # [R] the batch rows with a query here
+    slot: Tensor  # [N] each query's owner, as an index into owners
+    local: Tensor  # [N] its place among its owner's queries
+    width: int  # the most queries one owner has here
+    keys: Tensor  # [R * Hkv * L] each owner's keys per kv head, from its first (clamped past the end:
+    # those are masked), as rows of the cache flattened to [B * Hkv * K, D]
+    masked: Tensor  # [R * Hkv, rows padded, L] True where a query row may not look
 
 
-def _entries(grid: Tensor, kv_heads: int) -> Tensor:
-    """[R, W, H, X] -> [R * Hkv, W * rep, X]: one entry per row and kv head, its query heads stacked."""
-    rows, width, heads, last = grid.shape
+class _PlanCache:
+    """The last forward's windows: every layer of a forward gets the same mask object (held here, so
+    ``is`` cannot match a new mask at a recycled address)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Tensor | None, tuple, list[_Window]] | None = None
+
+    def get(self, mask: Tensor | None, shape: tuple) -> list[_Window]:
+        last = self._last  # one read: another thread (an engine next to a trainer) may replace it
+        if last is not None and last[0] is mask and last[1] == shape:
+            return last[2]
+        windows = _plan(mask, *shape)
+        self._last = (mask, shape, windows)
+        return windows
+
+
+_plans = _PlanCache()
+
+
+def _plan(mask: Tensor | None, batch: int, queries: int, keys: int, heads: int, kv_heads: int) -> list[_Window]:
+    starts, counts = _key_ranges(mask, batch, queries, keys)
+    buckets = (counts + KEY_BUCKET - 1) // KEY_BUCKET
     rep = heads // kv_heads
-    return grid.reshape(rows, width, kv_heads, rep, last).transpose(1, 2).reshape(rows * kv_heads, width * rep, last)
+    windows = []
+    for bucket in buckets.unique().tolist():
+        if bucket == 0:  # a padding query: no key to attend, its output is never read
+            continue
+        length = bucket * KEY_BUCKET
+        rows, cols = (buckets == bucket).nonzero(as_tuple=True)  # row-major: each row's queries together
+        owners, slot, per_owner = torch.unique_consecutive(rows, return_inverse=True, return_counts=True)
+        local = torch.arange(len(rows)) - (per_owner.cumsum(0) - per_owner)[slot]
+        width = int(per_owner.max())
+        offsets = torch.arange(length)
+        positions = (starts[owners][:, None] + offsets).clamp(max=keys - 1)
+        # an empty slot or padding row sees every key (of zero scores): a fully masked row would be nan
+        seen = counts.new_full((len(owners), width), length).index_put((slot, local), counts[rows, cols])
+        seen = seen[:, None, :, None].expand(-1, kv_heads, -1, rep).reshape(len(owners) * kv_heads, width * rep)
+        seen = nn.functional.pad(seen, (0, _padding(width * rep)), value=length)
+        keys_at = (owners[:, None, None] * kv_heads + torch.arange(kv_heads)[None, :, None]) * keys + positions[:, None, :]
+        windows.append(_Window(rows, cols, owners, slot, local, width, keys_at.reshape(-1), offsets >= seen[..., None]))
+    return windows
+
+
+def _attend(window: _Window, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """The window's N queries [N, H, D]: for each owner and kv head one matmul of the owner's queries
+    (those of its query heads, stacked, padded to ``ROW_BLOCK`` rows: MKL gives a row of a batched
+    matmul the same result whatever the batch and the rows around it then) against its keys, each
+    query masked past its own count."""
+    owners, width = len(window.owners), window.width
+    heads, dim, kv_heads = query.shape[1], query.shape[3], key.shape[1]
+    rep = heads // kv_heads  # query head h reads kv head h // rep
+    q = query[window.rows, :, window.cols].float()  # [N, H, D]
+    grid = q.new_zeros(owners, width, heads, dim).index_put((window.slot, window.local), q)
+    stacked = grid.reshape(owners, width, kv_heads, rep, dim).transpose(1, 2).reshape(-1, width * rep, dim)
+    stacked = nn.functional.pad(stacked, (0, 0, 0, _padding(width * rep)))  # [R * Hkv, padded, D]
+    keys = key.reshape(-1, dim).index_select(0, window.keys).float().reshape(owners * kv_heads, -1, dim)
+    values = value.reshape(-1, dim).index_select(0, window.keys).float().reshape(owners * kv_heads, -1, dim)
+    scores = torch.bmm(stacked, keys.transpose(1, 2)) * scaling
+    probs = torch.softmax(scores.masked_fill(window.masked, float("-inf")), dim=-1)
+    mixed = torch.bmm(probs, values)[:, :width * rep]
+    grid = mixed.reshape(owners, kv_heads, width, rep, dim).transpose(1, 2).reshape(owners, width, heads, dim)
+    return grid[window.slot, window.local]
+
+
+def _padding(rows: int) -> int:
+    return -(-rows // ROW_BLOCK) * ROW_BLOCK - rows
 
 
 def _key_ranges(mask: Tensor | None, batch: int, queries: int, keys: int) -> tuple[Tensor, Tensor]:
