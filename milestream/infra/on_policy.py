@@ -72,7 +72,13 @@ def make_exact(model: nn.Module) -> nn.Module:
     (same parameters and names, so weight updates, checkpoints and exports do not change)."""
     _register()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    refused = f"rollout.true_on_policy: {type(base).__name__}"
+    if getattr(base.config.get_text_config(), "attn_logit_softcapping", None):
+        raise ValueError(f"{refused} caps its attention logits, which exact attention does not; "
+                         "set rollout.true_on_policy=false")
     base.set_attn_implementation(EXACT_ATTENTION)
+    if base.config._attn_implementation != EXACT_ATTENTION:
+        raise ValueError(f"{refused} does not take an attention implementation; set rollout.true_on_policy=false")
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = RowBlockLinear
@@ -116,8 +122,8 @@ def exact_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
                     scaling: float, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """The transformers attention interface: query [B, H, Q, D], key and value [B, Hkv, K, D],
     ``attention_mask`` boolean [B, 1, Q, K]; returns [B, Q, H, D] in fp32."""
-    if dropout:
-        raise ValueError("exact attention has no dropout")
+    if dropout or kwargs.get("s_aux") is not None:
+        raise ValueError("exact attention has no dropout and no attention sinks")
     batch, heads, queries, dim = query.shape
     shape = (batch, queries, key.shape[2], heads, key.shape[1])
     windows = _plans.get(attention_mask, shape)
@@ -225,8 +231,9 @@ def _key_ranges(mask: Tensor | None, batch: int, queries: int, keys: int) -> tup
     ends = keys - seen.flip(-1).argmax(-1)
     first = torch.where(counts > 0, starts, keys).amin(-1)
     if bool((((ends - starts != counts) | (starts != first[:, None])) & (counts > 0)).any()):
-        raise ValueError("exact attention needs each query's keys in one run from its row's first "
-                         "(no sliding window or packing)")
+        raise ValueError("rollout.true_on_policy: exact attention needs each query's keys in one run from "
+                         "its row's first (no sliding window shorter than the sequence, no packing); "
+                         "set rollout.true_on_policy=false")
     return first, counts
 
 
