@@ -55,6 +55,10 @@ class GenerateResult:
     versions: tuple[int, ...]  # weight version of the forward pass that produced each token
     finish_reason: FinishReason
     routing: RecordedRouting | None = None  # MoE models: expert ids of every token (engines/moe_routing.py)
+    # rollout.logprobs_topk > 0: for each token the k likeliest ids and their log-probs, from the same
+    # distribution as its log-prob (descending); () when not asked
+    topk_ids: tuple[tuple[int, ...], ...] = ()
+    topk_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 class Engine(Protocol):
@@ -91,6 +95,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routing: RowRouting | None = None
+    topk_ids: list[tuple[int, ...]] = field(default_factory=list)
+    topk_logprobs: list[tuple[float, ...]] = field(default_factory=list)
 
     def context(self) -> tuple[int, ...]:
         """What a prefill of this row runs over: the prompt, and any tokens it already generated
@@ -105,6 +111,8 @@ class _Row:
             tuple(self.versions),
             finish_reason,
             self.routing.result() if self.routing else None,
+            tuple(self.topk_ids),
+            tuple(self.topk_logprobs),
         )
         self.loop.call_soon_threadsafe(_set_result, self.future, result)
 
@@ -163,6 +171,7 @@ class CpuEngine:
             on_policy.cast_linear_weights(self.model, self._compute_dtype)
         self._routing_tap = RoutingTap.attach(self.model)  # None: a dense model, nothing to record
         self._max_batch = rollout_cfg.max_batch
+        self._topk = rollout_cfg.logprobs_topk
         self._admit_window_s = admit_window_s
         self._generator = torch.Generator().manual_seed(seed)
         self._version = initial_version
@@ -369,10 +378,16 @@ class CpuEngine:
 
     def _sample_and_finish(self, batch: _Batch, logits: Tensor) -> None:
         """Samples one token per row, records it, and resolves and drops the rows that are done."""
-        tokens, logprobs = self._sample(logits, [row.request.sampling.temperature for row in batch.rows])
+        tokens, logp = self._sample(logits, [row.request.sampling.temperature for row in batch.rows])
         batch.last = tokens
+        logprobs = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+        if self._topk:
+            top = logp.topk(min(self._topk, logp.shape[-1]), dim=-1)
+            for row, ids, values in zip(batch.rows, top.indices.tolist(), top.values.tolist()):
+                row.topk_ids.append(tuple(ids))
+                row.topk_logprobs.append(tuple(values))
         keep = []
-        for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
+        for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs):
             row.output_ids.append(token)
             row.logprobs.append(logprob)
             row.versions.append(self._version)
@@ -388,10 +403,11 @@ class CpuEngine:
         self._keep(batch, keep)
 
     def _sample(self, logits: Tensor, temperatures: list[float]) -> tuple[Tensor, Tensor]:
+        """One token per row, and the log-probs [B, V] it was drawn from."""
         temps = torch.tensor(temperatures, dtype=torch.float32)[:, None]
         logp = torch.log_softmax(on_policy.scaled_logits(logits, temps), dim=-1)  # as the trainer computes it
         tokens = torch.where(temps == 0, logits.argmax(-1, keepdim=True), self._inverse_cdf(logp))
-        return tokens[:, 0], logp.gather(-1, tokens)[:, 0]
+        return tokens[:, 0], logp
 
     def _inverse_cdf(self, logp: Tensor) -> Tensor:
         """One uniform per row against the float64 CDF.

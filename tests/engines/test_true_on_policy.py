@@ -177,3 +177,23 @@ def test_logprobs_stay_equal_across_a_weight_update(model: str, inflight: str, e
     again = asyncio.run(engine.generate(fresh[0]))
     assert again.versions == (1,) * 5
     assert list(again.logprobs) == trainer_logprobs(learner, fresh, [again])[fresh[0].request_id]
+
+
+def test_the_engines_top_k_logprobs_are_the_trainers(engines) -> None:
+    """rollout.logprobs_topk: each token's k likeliest ids with their log-probs, the distribution its
+    own log-prob comes from; with true on-policy the trainer gives each candidate the same value."""
+    cfg = config("tiny-bf16", logprobs_topk=4)
+    engine = engines(cfg)
+    prompt = (1, 2, 3, 4, 5, 6, 7)
+    result = asyncio.run(engine.generate(GenerateRequest("r", prompt, SamplingParams(6, 0.7))))
+    assert len(result.topk_ids) == len(result.topk_logprobs) == len(result.output_ids) == 6
+    for token, logprob, ids, values in zip(result.output_ids, result.logprobs, result.topk_ids, result.topk_logprobs):
+        assert len(ids) == len(set(ids)) == 4 and list(values) == sorted(values, reverse=True)
+        assert logprob <= values[0] and (token not in ids or values[ids.index(token)] == logprob)
+    # the trainer's log-prob of each candidate in its place: the response up to it, then the candidate
+    rows = [list(result.output_ids[:t]) + [token] for t, ids in enumerate(result.topk_ids) for token in ids]
+    logp = Learner(cfg).backend.logprobs(list(prompt), rows, 0.7).detach()
+    assert [logp[i, len(row) - 1].item() for i, row in enumerate(rows)] == [
+        value for values in result.topk_logprobs for value in values]
+    plain = asyncio.run(engines(config("tiny-bf16")).generate(GenerateRequest("r", prompt, SamplingParams(6, 0.7))))
+    assert plain.topk_ids == plain.topk_logprobs == ()  # not asked: not computed
