@@ -53,7 +53,7 @@ def scaled_logits(logits: Tensor, temperature: Tensor | float) -> Tensor:
 
 class RowBlockLinear(nn.Linear):
     """nn.Linear whose rows are computed in blocks of ``ROW_BLOCK``: one row's output does not depend
-    on how many rows the call has. ``cast_weight``: the engine's weight in the compute dtype."""
+    on how many rows the call has. ``cast_weight``: an engine's tied weight in the compute dtype."""
 
     cast_weight: Tensor | None = None
 
