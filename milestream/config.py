@@ -214,6 +214,12 @@ class RolloutConfig(Section):
     temperature: float = 1.0
     max_inflight_samples: int = 16
     max_batch: int = 32  # engine batch (samples generated together)
+    # the CPU engine and the trainer (local backend) compute every log-prob alike, bit for bit
+    # (infra/on_policy.py): batch-invariant linear layers and attention, the trainer's dtype path
+    true_on_policy: bool = False
+    # > 0: the CPU engine records each generated token's k likeliest ids and their log-probs, published
+    # on rollout.logprobs (LogProbs.topk_ids / topk_logprobs) for full-distribution comparisons
+    logprobs_topk: int = Field(0, ge=0)
     refill: Literal["sample", "group"] = "sample"
     num_workers: int = 1
     # None: each worker runs a CpuEngine in-process; a URL: engines behind SGLang's HTTP API (an engine

@@ -324,26 +324,27 @@ class RolloutWorker:
     def _publish(self, group: Group, index: int, sample: Sample, reward: float | Reward) -> None:
         scored = reward if isinstance(reward, Reward) else Reward(reward)
         routing = routing_records(f"{group.group_id}/{index}", group.group_id, index, group.task.size, sample.routing)
-        self._send(group, index, sample.logprobs, routing, prompt_ids=sample.prompt_ids,
-                   response_ids=sample.response_ids, loss_mask=sample.loss_mask, token_versions=sample.versions,
-                   reward=scored.value, status=STATUS[sample.finish_reason],
+        self._send(group, index, sample.logprobs, routing, (sample.topk_ids, sample.topk_logprobs),
+                   prompt_ids=sample.prompt_ids, response_ids=sample.response_ids, loss_mask=sample.loss_mask,
+                   token_versions=sample.versions, reward=scored.value, status=STATUS[sample.finish_reason],
                    response_text=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
                    routing_chunks=len(routing), reward_error=scored.error)
 
     def _publish_unfinished(self, group: Group, published: set[int], status: str, reason: str) -> None:
         """The samples of ``group`` not published yet, as empty ``status`` records saying why."""
         for index in sorted(set(range(group.task.size)) - published):
-            self._send(group, index, [], [], prompt_ids=[], response_ids=[], loss_mask=[], token_versions=[],
-                       reward=0.0, status=status, response_text="", error=reason)
+            self._send(group, index, [], [], (None, None), prompt_ids=[], response_ids=[], loss_mask=[],
+                       token_versions=[], reward=0.0, status=status, response_text="", error=reason)
 
-    def _send(self, group: Group, index: int, logprobs: list[float], routing: list, **fields) -> None:
+    def _send(self, group: Group, index: int, logprobs: list[float], routing: list,
+              topk: tuple[list[list[int]] | None, list[list[float]] | None], **fields) -> None:
         trajectory = Trajectory(
             trajectory_id=f"{group.group_id}/{index}", group_id=group.group_id, prompt_id=group.prompt.prompt_id,
             sample_index=index, group_size=group.task.size, engine_id=self.worker_id, worker_id=self.worker_id,
             submitted_at=group.submitted_at, finished_at=time.time(), **fields)
         self.producer.send(topics.TRAJECTORIES, [trajectory], key=group.group_id)
         self.producer.send(topics.LOGPROBS, [LogProbs(trajectory.trajectory_id, group.group_id, index,
-                                                      group.task.size, logprobs)], key=group.group_id)
+                                                      group.task.size, logprobs, *topk)], key=group.group_id)
         for chunk in routing:  # a message each: chunking keeps every message under the broker's limit
             self.producer.send(topics.ROUTING, [chunk], key=group.group_id)
 

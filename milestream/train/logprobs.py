@@ -12,6 +12,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor, nn
 
+from milestream.infra.on_policy import scaled_logits
 from milestream.train.tensor_ops import token_logprobs, token_logprobs_and_entropy
 
 
@@ -56,7 +57,7 @@ def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses
         logits = torch.cat([logits, rest.logits], dim=1)
         if hidden:
             states = torch.cat([states, rest.hidden_states[-1]], dim=1)
-    logits = logits / max(temperature, 1e-6)
+    logits = scaled_logits(logits, temperature)  # the rollout engine's step before its log_softmax
     if entropy:
         logp, entropies = token_logprobs_and_entropy(logits, tokens)
         return Forward(logp, states, entropies)
