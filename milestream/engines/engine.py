@@ -9,6 +9,7 @@ resumed, a completion spans several versions (the trainer corrects for it with i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -114,10 +115,14 @@ class _Row:
             tuple(self.topk_ids),
             tuple(self.topk_logprobs),
         )
-        self.loop.call_soon_threadsafe(_set_result, self.future, result)
+        self._deliver(_set_result, result)
 
     def fail(self, exc: BaseException) -> None:
-        self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
+        self._deliver(_set_exception, exc)
+
+    def _deliver(self, setter, value) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's event loop has closed: no one waits for the row
+            self.loop.call_soon_threadsafe(setter, self.future, value)
 
 
 def _set_result(future: asyncio.Future[GenerateResult], result: GenerateResult) -> None:

@@ -18,6 +18,7 @@ publishes what is left as ``aborted``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import queue
@@ -183,6 +184,7 @@ class RolloutWorker:
         self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
         self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
+        self.version_applied = asyncio.Condition()  # notified at each version the engine takes
         self.tasks: set[asyncio.Task] = set()
         self.hook = hook or NoHook()
         self.samples_done = 0
@@ -245,15 +247,24 @@ class RolloutWorker:
     async def _admission(self, group_id: str) -> str:
         """Waits while there is no credit, or (run.schedule sync, one_step) while this engine is older than
         the version the trainer asks the next batch of."""
-        while (admission := self.ledger.admit(group_id, self.worker_id, self.engine.version)) in (NO_CREDIT, BEHIND):
+        while True:
+            version = self.engine.version
+            admission = self.ledger.admit(group_id, self.worker_id, version)
+            if admission not in (NO_CREDIT, BEHIND):
+                return admission
             started = time.monotonic()
-            await asyncio.sleep(0.1 if admission == NO_CREDIT else 0.02)
-            waited = time.monotonic() - started
             if admission == NO_CREDIT:
-                self.stalled_s += waited
-            else:
-                self.behind_s += waited
-        return admission
+                await asyncio.sleep(0.1)
+                self.stalled_s += time.monotonic() - started
+            else:  # only a newer version in this engine can change the answer: wait for it, not on a clock
+                await self._newer_than(version, timeout_s=1.0)
+                self.behind_s += time.monotonic() - started
+
+    async def _newer_than(self, version: int, timeout_s: float) -> None:
+        async with self.version_applied:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.version_applied.wait_for(lambda: self.engine.version > version),
+                                       timeout_s)
 
     def _prompt_done(self, position: Position) -> None:
         self.offsets.done(position.partition, position.offset)
@@ -412,6 +423,8 @@ class RolloutWorker:
             return False
         weights.acknowledge(self.producer, self.worker_id, record, tensors)
         log.info("engine %s now at weight version %d", self.worker_id, record.version)
+        async with self.version_applied:
+            self.version_applied.notify_all()
         await self.hook.after_version(self.engine, record.version, record.step)
         return True
 

@@ -91,17 +91,17 @@ class GroupCollector:
                 return taken
         return None
 
-    def pool_figures(self, version: int) -> dict[str, float]:
+    def take_pool_figures(self, version: int) -> dict[str, float]:
         """Groups read but not yet taken, their staleness at ``version``, the stale drops so far, and the
         staleness of every group collected (trained or dropped stale) since the last call."""
         lags = [staleness(g.samples, version) for g in self.pool.values()]
         collected, self.collected_lags = self.collected_lags, []
         return {"pool_groups": float(len(lags)), "pool_staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-                "pool_staleness_max": float(max(lags, default=0)), "dropped_stale_total": float(self.dropped_stale),
+                "pool_staleness_max": float(max(lags, default=0)), "stale_dropped_total": float(self.dropped_stale),
                 "collected_staleness_mean": sum(collected) / len(collected) if collected else 0.0,
                 "collected_staleness_max": float(max(collected, default=0))}
 
-    def drop_figures(self) -> dict[str, float]:
+    def take_drop_figures(self) -> dict[str, float]:
         """``dropped_<reason>``: the groups dropped since the last call, by the processor (its run totals in
         the ledger) and here (stale)."""
         totals = self._drop_totals()
