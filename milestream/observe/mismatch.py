@@ -4,13 +4,14 @@ For the chosen samples of a logged run (the archive, or the topics of a live bro
 each sample with its group's fate: observe/selection.py), the trainer's forward (the ``local``
 backend's, with ``rollout.true_on_policy`` its exact numerics) recomputes every response token's
 log-prob at the weight version that generated that token, loaded from the versions the run folder
-keeps (train/export.py: version files, else checkpoints; version 0 is the initial weights), and
-compares it with the log-prob the engine logged on ``rollout.logprobs``:
+keeps (train/export.py: version files, else checkpoints; version 0 is the initial weights; a sample
+needing a pruned version is left out, named), and compares it with the log-prob the engine logged on
+``rollout.logprobs``:
 
 - a table per sample: position, token, version, rollout log-prob, trainer log-prob, their difference
-  (trainer - rollout) and, where the engine logged its top-k (``rollout.logprobs_topk``), the KL
-  from the engine's distribution to the trainer's over the engine's k tokens (both renormalised over
-  them: the support they share);
+  (trainer - rollout) and, where the engine logged its top-k (``rollout.logprobs_topk``), the
+  largest difference over the engine's k tokens (top-k gap) and the KL from the engine's
+  distribution to the trainer's over them (both renormalised on them: the support they share);
 - the first token where the two disagree: any difference at all (``!=``) when the run had true
   on-policy on, else one beyond ``tolerance``, in the token's log-prob or in any of its top-k's;
 - a plot: both log-probs along each sample, and |difference| and KL under them.
@@ -43,7 +44,7 @@ from milestream.observe.selection import Selection, SelectionError, parse_span, 
 from milestream.schemas.codec import RecordError
 from milestream.train.backends.base import compute_context
 from milestream.train.backends.local import LocalBackend
-from milestream.train.export import VersionNotKept, version_tensors
+from milestream.train.export import VersionNotKept, kept_versions, version_tensors
 from milestream.train.logprobs import shared_prompt_distributions
 
 DEFAULT_TOLERANCE = 0.1  # nats, without true on-policy: a 10% probability ratio
@@ -99,7 +100,8 @@ class SampleComparison:
                 "kl_topk_mean": sum(kls) / len(kls) if kls else None,
                 "first_disagreement": None if first is None else {
                     "position": first.position, "token_id": first.token_id, "token": first.text,
-                    "version": first.version, "rollout": first.rollout, "trainer": first.trainer, "diff": first.diff}}
+                    "version": first.version, "rollout": first.rollout, "trainer": first.trainer, "diff": first.diff,
+                    "topk_gap": first.topk_gap}}
 
 
 class TrainerLogprobs:
@@ -186,14 +188,17 @@ def token_table(comparison: SampleComparison) -> Table:
     rule = "exact" if comparison.tolerance == 0 else f"tolerance {comparison.tolerance:g}"
     table = Table(title=Text(f"{comparison.trajectory_id} ({where}): {verdict} [{rule}]"), title_justify="left",
                   show_edge=False, pad_edge=False)
-    for name in ("#", "token", "id", "version", "rollout lp", "trainer lp", "diff", "KL top-k"):
+    for name in ("#", "token", "id", "version", "rollout lp", "trainer lp", "diff", "top-k gap", "KL top-k"):
         table.add_column(name, justify="left" if name == "token" else "right")
     for t in comparison.tokens:
         style = "bold red" if t is first else None if t.judged else "dim"
         table.add_row(str(t.position), Text(repr(t.text)), str(t.token_id), str(t.version), f"{t.rollout:.6f}",
-                      f"{t.trainer:.6f}", f"{t.diff:.3g}", "-" if t.kl_topk is None else f"{t.kl_topk:.3g}",
-                      style=style)
+                      f"{t.trainer:.6f}", f"{t.diff:.3g}", *(_or_dash(t.topk_gap), _or_dash(t.kl_topk)), style=style)
     return table
+
+
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def print_tables(comparisons: Sequence[SampleComparison], console: Console | None = None) -> None:
@@ -220,6 +225,8 @@ def plot(comparisons: Sequence[SampleComparison], path: str | Path) -> Path:
         kls = [(t.position, t.kl_topk) for t in comparison.tokens if t.kl_topk is not None]
         if kls:
             right.plot([p for p, _ in kls], [k for _, k in kls], color="C3", marker=".", label="KL over top-k")
+        if comparison.tolerance:
+            right.axhline(comparison.tolerance, color="grey", linestyle="--", label="tolerance")
         first = comparison.first
         for ax in (left, right):
             if first is not None:
@@ -243,7 +250,7 @@ def plot(comparisons: Sequence[SampleComparison], path: str | Path) -> Path:
 def run(cfg: Config, args: argparse.Namespace) -> int:
     """``cfg``: the run's configuration (cli.run_configuration). 0: no chosen sample disagrees; 1: some do."""
     try:
-        chosen = _chosen(cfg, args)
+        chosen = _with_kept_versions(cfg, _chosen(cfg, args))
         comparisons = compare(cfg, chosen, args.tolerance)
     except (RecordError, SelectionError, VersionNotKept) as exc:
         print(f"milestream mismatch: {exc}", file=sys.stderr)
@@ -274,3 +281,17 @@ def _chosen(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
     if table.num_rows == 0:
         raise SelectionError("no sample with logged log-probs matches the selection")
     return table.to_pylist()
+
+
+def _with_kept_versions(cfg: Config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows whose every token's version the run folder still keeps (or version 0); the others are named."""
+    kept = {0, *kept_versions(cfg.run.run_dir)}
+    out = [row for row in rows if kept.issuperset(row["token_versions"])]
+    gone = sorted({v for row in rows for v in row["token_versions"]} - kept)
+    if gone:
+        message = (f"{len(rows) - len(out)} of the {len(rows)} chosen samples need versions {gone}, no longer kept "
+                   f"(kept: {sorted(kept)}; trainer.keep_weight_versions, trainer.keep_checkpoints)")
+        if not out:
+            raise VersionNotKept(message)
+        print(f"milestream mismatch: left out {message}", file=sys.stderr)
+    return out

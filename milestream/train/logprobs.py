@@ -23,11 +23,9 @@ class Forward(NamedTuple):
 
 
 def pad(rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32) -> Tensor:
-    """Right-padded [len(rows), longest] tensor."""
-    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=dtype)
-    return out
+    """Right-padded [len(rows), longest] tensor (made at once: a tensor per row costs ~10x more)."""
+    longest = max(len(r) for r in rows)
+    return torch.tensor([[*row, *[value] * (longest - len(row))] for row in rows], dtype=dtype)
 
 
 def shared_prompt_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],

@@ -19,6 +19,7 @@ token of the batch, which every rank holds), as ``backends.base.sum_across_ranks
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -61,6 +62,10 @@ class MismatchBreakdown:
     version: int  # pi_old's
     clamp: float  # trainer.log_ratio_clamp, as the loss clamps log pi_old - log pi_rollout
 
+    @functools.cached_property
+    def token_names(self) -> tuple[str, ...]:
+        return tuple(f"{RAW}{t}" for t in self.token_ids.tolist())
+
     @classmethod
     def of(cls, groups: Sequence[tuple[Sequence[GroupSample], int]], clamp: float) -> "MismatchBreakdown":
         """The batch's counts, from its groups' (samples, staleness)."""
@@ -81,7 +86,7 @@ class MismatchBreakdown:
         out = {f"{RAW}{name}": float(diff[b].sum()) for name, b in buckets.items()}
         per_token = torch.zeros(len(self.token_ids), dtype=torch.float64).index_add_(
             0, torch.searchsorted(self.token_ids, ids[active]), diff[active].double())
-        out.update(zip((f"{RAW}{t}" for t in self.token_ids.tolist()), per_token.tolist()))
+        out.update(zip(self.token_names, per_token.tolist()))
         return out
 
     def figures(self, totals: dict[str, float]) -> dict[str, float]:

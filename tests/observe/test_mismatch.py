@@ -72,9 +72,9 @@ def test_the_planted_token_is_named_and_nothing_else_disagrees(finished, capsys)
     assert summary["first_disagreement"] == {
         "position": PLANTED_AT, "token_id": victim["response_ids"][PLANTED_AT], "token": token,
         "version": victim["token_versions"][PLANTED_AT], "rollout": moved, "trainer": victim["logprobs"][PLANTED_AT],
-        "diff": victim["logprobs"][PLANTED_AT] - moved}
+        "diff": victim["logprobs"][PLANTED_AT] - moved, "topk_gap": 0.0}
     assert f"first disagreement at position {PLANTED_AT}" in printed
-    assert "rollout lp" in printed and "KL top-k" in printed  # the token table's header
+    assert all(word in printed for word in ("rollout", "trainer", "top-k", "KL"))  # the table's header (wrapped)
     assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
 
     # every sample of the run against the trainer, each at the versions of its tokens: only the planted
