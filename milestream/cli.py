@@ -1,4 +1,5 @@
-"""``milestream run | rollout | process | train | load-prompts | topics | archive | replay | export`` over the one typed Config."""
+"""``milestream run | rollout | process | train | load-prompts | topics | archive | replay | export | mismatch | ...``
+over the one typed Config."""
 from __future__ import annotations
 
 import argparse
@@ -205,6 +206,12 @@ def _export(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _mismatch(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.observe import mismatch
+
+    return mismatch.run(run_configuration(cfg, args), args)
+
+
 def _sessions(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.producers.sessions.server import serve_sessions
 
@@ -264,8 +271,26 @@ COMMANDS = {
                         "to --list, --show, --export or --redrive (see observe/debug_cli.py)"),
     "export": (_export, "write a trained version (default: the newest kept) of --run-dir as a Hugging Face folder "
                         "--out (LoRA merged; --adapter: the PEFT adapter alone), with its tokenizer"),
+    "mismatch": (_mismatch, "recompute the trainer's log-probs of chosen logged samples at the versions that "
+                            "generated them and compare with the rollout's, token by token: table, top-k KL, plot, "
+                            "the first token where they disagree (see observe/mismatch.py)"),
     "sessions": (_sessions, "serve token-in-token-out chat sessions over HTTP (sessions.host:port)"),
 }
+
+
+def _mismatch_arguments(command: argparse.ArgumentParser) -> None:
+    pick = command.add_argument_group("which samples (all given must hold); then --worst N of them")
+    pick.add_argument("--from-broker", action="store_true", help="read the run's topics on the broker "
+                      "(--bootstrap-servers, or the one RUN_DIR/config.yaml names) instead of RUN_DIR/archive")
+    pick.add_argument("--trajectory", action="append", default=[], metavar="GROUP/INDEX",
+                      help="a sample by its trajectory id (repeatable)")
+    pick.add_argument("--group", action="append", default=[], help="the samples of a group (repeatable)")
+    pick.add_argument("--steps", help="A:B or N: the samples of the groups these trainer steps trained")
+    pick.add_argument("--worst", type=int, metavar="N", help="of those (or of every sample on the log), the N "
+                      "with the largest |trainer - rollout| on any token")
+    command.add_argument("--tolerance", type=float, help="a disagreement is a difference beyond this (default: "
+                         "any difference when the run had rollout.true_on_policy, else 0.1 nats)")
+    command.add_argument("--out", help="the plot's path (default RUN_DIR/plots/mismatch.png)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
             from milestream.observe.debug_cli import add_arguments as add_replay_arguments
 
             add_replay_arguments(command)
+        if name == "mismatch":
+            _mismatch_arguments(command)
     return parser
 
 

@@ -25,6 +25,7 @@ from milestream.train.backends import StepResult, TrainBackend, make_backend
 from milestream.train.backends.base import LossFn, share
 from milestream.train.estimators import AdvantageInputs, advantage_options, compute_advantages
 from milestream.train.logprobs import pad
+from milestream.train.mismatch_breakdown import MismatchBreakdown
 from milestream.train.losses import Denominators, LossInput, make_loss, reduce_loss, step_figures
 from milestream.train.routing_replay import recorded_routing
 from milestream.schemas.records import GroupSample
@@ -76,11 +77,12 @@ class Learner:
         if updates > 1:
             microbatches = self._with_old_logprobs(microbatches)
         per_group = [len(by_prompt(g.samples)) for g in batch]
-        results = [self.backend.step(part, self._loss_fn(part), trainer.max_grad_norm)
+        breakdown = MismatchBreakdown.of([(g.samples, g.staleness) for g in batch], trainer.log_ratio_clamp)
+        results = [self.backend.step(part, self._loss_fn(part, breakdown), trainer.max_grad_norm)
                    for part in minibatches(microbatches, per_group, updates)]
-        return self._figures(batch, results)
+        return self._figures(batch, results, breakdown)
 
-    def _loss_fn(self, minibatch: Sequence[PromptRows]) -> LossFn:
+    def _loss_fn(self, minibatch: Sequence[PromptRows], breakdown: MismatchBreakdown) -> LossFn:
         """Each microbatch's share of the loss of ``minibatch``, a mean over its tokens or samples."""
         samples = [s for rows in minibatch for s in rows.samples]
         denominators = Denominators(tokens=sum(sum(s.loss_mask) for s in samples), samples=len(samples),
@@ -100,26 +102,33 @@ class Learner:
                                       returns=returns, values=values, old_values=old_values, ref_logp=ref_logp,
                                       entropy=entropy))
             loss = reduce_loss(out, mask, self.cfg.trainer.loss_reduction, denominators)
-            return loss, {**out.figures, "tokens": float(out.tokens)}
+            figures = {**out.figures, "tokens": float(out.tokens)}
+            if "logprob_diff" in figures:  # the loss measures the rollout mismatch: so does its breakdown
+                figures.update(breakdown.sums(old_logp, rollout_logp, mask, rows.samples))
+            return loss, figures
         return loss_fn
 
-    def _figures(self, batch: Sequence[CollectedGroup], results: Sequence[StepResult]) -> dict[str, float]:
+    def _figures(self, batch: Sequence[CollectedGroup], results: Sequence[StepResult],
+                 breakdown: MismatchBreakdown) -> dict[str, float]:
         """loss and grad_norm of the last update (a mean over its minibatch), updates, update_skipped
         (how many were), the batch's rewards and lengths; the loss's figures (ppo_clip_frac, the
         rollout mismatch, value_loss, ...) are their sums over every update divided by the batch's
-        tokens: each token counts once, as its update saw it."""
+        tokens: each token counts once, as its update saw it; the mismatch's breakdown
+        (train/mismatch_breakdown.py)."""
         samples = [s for g in batch for s in g.samples]
         figures = dict(results[0].figures)
         for result in results[1:]:
             for name, value in result.figures.items():
                 figures[name] += value
         tokens = max(figures.pop("tokens"), 1.0)
+        mismatch = breakdown.figures(figures)
         rewards = [s.reward for s in samples]
         return {
             "loss": results[-1].loss, "grad_norm": results[-1].grad_norm,
             "update_skipped": float(sum(r.update_skipped for r in results)), "updates": float(len(results)),
             "reward_mean": sum(rewards) / len(rewards),
             **step_figures(figures, tokens, len(samples)),  # the loss's figures, per token (or sample)
+            **mismatch,
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
 

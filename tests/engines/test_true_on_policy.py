@@ -116,7 +116,7 @@ def test_every_rollout_logprob_equals_the_trainers(model: str, engines) -> None:
         assert list(result.logprobs) == expected[req.request_id], req.request_id
 
 
-def test_the_steps_logprob_diff_is_zero_at_staleness_zero(engines) -> None:
+def test_the_steps_logprob_diff_and_its_breakdown_are_zero_at_staleness_zero(engines) -> None:
     cfg = config("tiny-bf16")
     engine = engines(cfg)
     prompt = (1, 2, 3, 4, 5, 6, 7)
@@ -127,6 +127,9 @@ def test_the_steps_logprob_diff_is_zero_at_staleness_zero(engines) -> None:
                            0.0, 0.0, logprobs=list(r.logprobs)) for i, r in enumerate(results)]
     figures = Learner(cfg).train_step([CollectedGroup("g", samples, staleness=0)])
     assert figures["logprob_diff"] == 0.0 and figures["kl_rollout_train"] == 0.0
+    # and so is its every part: responses of at most 16 tokens, all of pi_old's version; no token offends
+    breakdown = {name: value for name, value in figures.items() if name.startswith("logprob_diff_")}
+    assert breakdown == {"logprob_diff_pos_0_15": 0.0, "logprob_diff_lag_0": 0.0}
 
 
 def new_weights(learner: Learner) -> dict[str, torch.Tensor]:
