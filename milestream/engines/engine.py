@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -25,6 +25,7 @@ from milestream.config import ModelConfig, RolloutConfig
 from milestream.infra import faults, on_policy
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict, stop_token_ids
 from milestream.engines.moe_routing import RecordedRouting, RoutingTap, RowRouting
+from milestream.engines.scoring import ScoreRequest, left_padded, score_batch
 
 FinishReason = Literal["stop", "length", "abort"]
 InflightPolicy = Literal["abort", "keep", "retract"]  # config.WeightsConfig.inflight
@@ -221,6 +222,14 @@ class CpuEngine:
             raise ValueError(f"weight version {version} is older than the engine's {self._version}")
         await asyncio.to_thread(self._apply_weights, version, tensors)
 
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[list[float]]:
+        """The log-prob of every response token of ``requests`` (engines/scoring.py), between two steps."""
+        return await asyncio.to_thread(self._score, list(requests))
+
+    def _score(self, requests: list[ScoreRequest]) -> list[list[float]]:
+        with self._step_lock, torch.inference_mode():
+            return score_batch(self._forward, self.model.config, requests)
+
     async def close(self) -> None:
         """Stops the worker; requests still in flight resolve with finish_reason "abort"."""
         with self._cond:
@@ -336,12 +345,8 @@ class CpuEngine:
         prompts: dict[tuple[int, ...], int] = {}
         for row in rows:
             prompts.setdefault(row.context(), len(prompts))
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
+        ids, mask = left_padded(list(prompts))
+        width = ids.shape[1]
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(
             input_ids=ids,
