@@ -1,4 +1,4 @@
-"""``milestream run | rollout | process | train | load-prompts | topics | archive | replay | export | mismatch | ...``
+"""``milestream run | rollout | process | train | teacher | load-prompts | topics | archive | replay | export | mismatch | ...``
 over the one typed Config."""
 from __future__ import annotations
 
@@ -144,6 +144,13 @@ def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _teacher(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.producers.teacher import run_teacher
+
+    run_teacher(cfg, stop_on_signals())
+    return 0
+
+
 def _eval(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.evaluate.evaluation import run_evaluator
 
@@ -253,6 +260,8 @@ COMMANDS = {
     "rollout": (_rollout, "run a rollout worker (engine + async sampling)"),
     "process": (_process, "run the stream processor (faust worker)"),
     "train": (_train, "run the trainer"),
+    "teacher": (_teacher, "on-policy distillation: score every rollout trajectory on the teacher (distill.teacher_path "
+                          "or teacher_url) onto rollout.teacher_logprobs"),
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish the data set's prompts on the prompts topic (--follow: keep feeding)"),
     "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the Prometheus "

@@ -17,6 +17,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer, field_validator,
                       model_validator)
 
+from milestream.distill_config import DistillConfig
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -473,6 +475,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     sandbox: SandboxConfig = SandboxConfig()
     sessions: SessionsConfig = SessionsConfig()
+    distill: DistillConfig = DistillConfig()  # on-policy distillation toward a teacher (distill_config.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -505,6 +508,9 @@ class Config(Section):
             raise ValueError("buffer capacity must hold at least one training batch")
         if self.rollout.refill == "group" and self.rollout.max_inflight_samples < self.rollout.group_size:
             raise ValueError("group refill needs rollout.max_inflight_samples >= rollout.group_size")
+        if self.distill.enabled and self.trainer.objective == "supervised" and not self.trainer.loss:
+            raise ValueError("distill: the teacher's signal is an advantage, which trainer.objective "
+                             "supervised does not read")
         return self
 
     @property

@@ -1,7 +1,7 @@
 """``milestream run``: the whole loop on one machine, every stage its own process.
 
     start broker and Redis (or use the given ones), create the topics, fill the credit
-    publish prompts; start the processor, the rollout workers and the trainer
+    publish prompts; start the processor, the rollout workers (and with distill the teacher) and the trainer
     follow buffer.metrics, buffer.dropped and eval.results, print each trainer step and each evaluation
     (dead-lettering a record none of the stages wrote: log/lineage.py check_observed)
     when the trainer finishes: stop everything, evaluate the version it ended on unless an evaluator
@@ -36,6 +36,7 @@ from milestream.observe.feed import TopicFeed
 from milestream.producers.worker import EXIT_GAVE_UP
 from milestream.observe.report import write_report
 from milestream.producers.inputs import check_inputs
+from milestream.producers.teacher import check_teacher
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import EvalResult, Metrics, Record
@@ -99,6 +100,8 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
     children += [child("loader", ["load-prompts", "--follow"]), child("processor", ["process"])]
     children += [child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"])
                  for i in range(cfg.rollout.num_workers)]
+    if cfg.distill.enabled:  # on-policy distillation: the teacher scores every trajectory
+        children.append(child("teacher", ["teacher"]))
     if cfg.run.prometheus_port is not None:
         port = cfg.run.prometheus_port or free_port()
         children.append(child("metrics", ["metrics", "--serve", "--prometheus-port", str(port),
@@ -245,6 +248,7 @@ def recover(live: Services, run_dir: Path) -> None:
 
 def run_loop(cfg: Config) -> dict:
     check_inputs(cfg)  # bad data or a bad reward fails here, before any stage (or the broker) starts
+    check_teacher(cfg)
     started = time.monotonic()
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"

@@ -118,6 +118,24 @@ class LogProbs(Record):
 
 @_checked
 @dataclass(frozen=True)
+class TeacherLogProbs(Record):
+    """On-policy distillation: the teacher's log-prob of each response token of one trajectory, given the
+    prompt and the response before it (``milestream teacher``; the student's are on rollout.logprobs)."""
+
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    logprobs: list[float]
+    teacher: str  # which teacher: distill.teacher_path or teacher_url
+    SCHEMA: ClassVar = pa.schema([
+        ("trajectory_id", pa.string()), ("group_id", pa.string()), ("sample_index", pa.int32()),
+        ("group_size", pa.int32()), ("logprobs", F32_LIST), ("teacher", pa.string()),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
 class Routing(Record):
     """MoE routing replay (R3): expert ids [tokens x layers x k], narrow ints, compressed, chunked."""
 
@@ -153,9 +171,10 @@ class GroupSample(Trajectory):
     routing_layout: list[int] = field(default_factory=list)  # [tokens, layers, top_k, id_bytes]; [] when none
     routing_compression: str = ""
     routing_data: list[bytes] = field(default_factory=list)  # chunks in order
+    teacher_logprobs: list[float] = field(default_factory=list)  # on-policy distillation (distill); [] when off
     SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS + [
         ("logprobs", F32_LIST), ("routing_layout", I32_LIST), ("routing_compression", pa.string()),
-        ("routing_data", pa.list_(pa.binary())),
+        ("routing_data", pa.list_(pa.binary())), ("teacher_logprobs", F32_LIST),
     ])
 
 
