@@ -1,7 +1,8 @@
 """One training step on a batch of groups, whatever the backend: the trainer's arithmetic, free of Kafka.
 
     advantages  trainer.advantage_estimator over the whole batch (train/estimators.py); ppo's
-                GAE reads the value head's V before the first update (a forward without gradient)
+                GAE reads the value head's V before the first update (a forward without gradient);
+                with distill, the teacher's reverse KL joins them (train/distill.py)
     updates     trainer.updates_per_batch optimizer steps, each on a minibatch of whole groups in
                 order, against pi_old = the policy before the first (a forward without gradient when
                 there is more than one; with one, pi detached)
@@ -23,6 +24,7 @@ import torch
 from milestream.config import Config
 from milestream.train.backends import StepResult, TrainBackend, make_backend
 from milestream.train.backends.base import LossFn, share
+from milestream.train.distill import Distillation, distill_figures
 from milestream.train.estimators import AdvantageInputs, advantage_options, compute_advantages
 from milestream.train.logprobs import pad
 from milestream.train.mismatch_breakdown import MismatchBreakdown
@@ -60,6 +62,7 @@ class Learner:
         self.with_values = trainer.advantage_estimator == "ppo"
         self.with_entropy = bool(trainer.entropy_coef)
         self.with_reference = bool(trainer.kl_coef or trainer.kl_loss_coef)
+        self.distill = Distillation(cfg.distill, trainer.log_ratio_clamp) if cfg.distill.enabled else None
         for needed, method, why in ((self.with_values, "policy_forward", "ppo's value head"),
                                     (self.with_entropy, "policy_forward", "trainer.entropy_coef's entropy"),
                                     (self.with_reference, "reference_logprobs", "the reference policy of "
@@ -128,9 +131,16 @@ class Learner:
             "update_skipped": float(sum(r.update_skipped for r in results)), "updates": float(len(results)),
             "reward_mean": sum(rewards) / len(rewards),
             **step_figures(figures, tokens, len(samples)),  # the loss's figures, per token (or sample)
-            **mismatch,
+            **mismatch, **self._distill_figures(samples),
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
+
+    def _distill_figures(self, samples: Sequence[GroupSample]) -> dict[str, float]:
+        """How far the batch's rollout policy is from the teacher on its trained tokens (train/distill.py)."""
+        if self.distill is None:
+            return {}
+        mask = pad([s.loss_mask for s in samples])
+        return distill_figures(self.distill.reverse_kl(samples, mask), mask)
 
     def _with_old_logprobs(self, microbatches: Sequence[PromptRows]) -> list[PromptRows]:
         """The microbatches with log pi_old, the policy before the first update: the same forward as
@@ -158,20 +168,23 @@ class Learner:
         samples = [s for _, rows in parts for s in rows]
         group_of = {id(s): i for i, g in enumerate(batch) for s in g.samples}
         reference = self._reference_logprobs(parts) if self.with_reference else None
+        mask = pad([s.loss_mask for s in samples])
         inputs = AdvantageInputs(torch.tensor([s.reward for s in samples]),
-                                 torch.tensor([group_of[id(s)] for s in samples]),
-                                 pad([s.loss_mask for s in samples]),
+                                 torch.tensor([group_of[id(s)] for s in samples]), mask,
                                  # the KL penalty compares the policy that sampled with the reference
                                  old_logp=pad([s.logprobs for s in samples]) if self.with_reference else None,
                                  ref_logp=reference,
                                  values=self._values_before_step(parts) if self.with_values else None)
+        distilled = self.distill.reverse_kl(samples, mask) if self.distill else None
+        if distilled is not None:
+            inputs = self.distill.estimator_inputs(inputs, distilled)
         result = compute_advantages(self.cfg.trainer.advantage_estimator, inputs, advantage_options(self.cfg.trainer))
+        advantages = result.advantages if distilled is None else self.distill.advantages(result.advantages, distilled)
         sizes = [len(rows) for _, rows in parts]
         split = lambda t: t.split(sizes) if t is not None else [None] * len(parts)  # noqa: E731
         return [PromptRows(prompt_ids, rows, advantages, returns, old_values, ref_logp)
                 for (prompt_ids, rows), advantages, returns, old_values, ref_logp
-                in zip(parts, result.advantages.split(sizes), split(result.returns), split(inputs.values),
-                       split(reference))]
+                in zip(parts, advantages.split(sizes), split(result.returns), split(inputs.values), split(reference))]
 
     def _reference_logprobs(self, parts: list[tuple[list[int], list[GroupSample]]]) -> torch.Tensor:
         rows = [r for prompt_ids, samples in parts
