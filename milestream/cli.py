@@ -293,6 +293,14 @@ COMMANDS = {
 }
 
 
+def _track_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
+                         help="TensorBoard event files under DIR/<run name> (default RUN_DIR/tensorboard)")
+    command.add_argument("--wandb", choices=["offline", "online"], help="a W&B run (offline: `wandb sync` later)")
+    command.add_argument("--mlflow-uri", metavar="URI", help="an MLflow tracking URI; local: RUN_DIR/mlflow.db")
+    command.add_argument("--from-archive", metavar="RUN", help="write the archived run in RUN/archive (no broker)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="milestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -324,11 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--jsonl", help="append each buffer.metrics record to this JSONL file (resumes)")
             command.add_argument("--once", action="store_true", help="print one snapshot of the view and exit")
         if name == "track":
-            command.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
-                                 help="TensorBoard event files under DIR/<run name> (default RUN_DIR/tensorboard)")
-            command.add_argument("--wandb", choices=["offline", "online"], help="a W&B run (offline: `wandb sync` later)")
-            command.add_argument("--mlflow-uri", metavar="URI", help="an MLflow tracking URI; local: RUN_DIR/mlflow.db")
-            command.add_argument("--from-archive", metavar="RUN", help="write the archived run in RUN/archive (no broker)")
+            _track_arguments(command)
         if name == "plot":
             command.add_argument("--source", choices=["auto", "archive", "topics"], default="auto",
                                  help="auto: RUN_DIR/archive when there is one, else the live topics")

@@ -34,6 +34,7 @@ from milestream.infra.services import Services, die_with_parent, embedded, free_
 from milestream.log.accounting import rebuild_from_broker
 from milestream.log.lineage import Lineage, check_observed
 from milestream.observe.feed import TopicFeed
+from milestream.observe.track import check_writers
 from milestream.producers.worker import EXIT_GAVE_UP
 from milestream.observe.report import write_report
 from milestream.producers.inputs import check_inputs
@@ -262,6 +263,7 @@ def recover(live: Services, run_dir: Path) -> None:
 
 def run_loop(cfg: Config) -> dict:
     check_inputs(cfg)  # bad data or a bad reward fails here, before any stage (or the broker) starts
+    check_writers(cfg)
     started = time.monotonic()
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"

@@ -24,7 +24,7 @@ def logged(run_dir: Path, spec) -> list:
 
 
 def test_trackers_killed_mid_run_write_every_step_once_with_the_published_figures(cfg, tmp_path, monkeypatch):
-    cfg = cfg.with_overrides(trainer={"steps": 4, "checkpoint_every": 2}, run={"max_wall_s": 240},
+    cfg = cfg.with_overrides(trainer={"steps": 3, "checkpoint_every": 3}, run={"max_wall_s": 240},
                              eval={"mode": "shared", "num_prompts": 4},
                              observe={"tensorboard": True, "wandb": "offline", "mlflow_uri": "local", "commit_s": 0.5})
     run_dir = Path(cfg.run.run_dir)

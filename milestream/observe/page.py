@@ -51,6 +51,8 @@ class RunPage:
         self.trajectories: collections.deque[Trajectory] = collections.deque(maxlen=cfg.observe.page_trajectories)
         self.lock = threading.Lock()  # the feed's thread observes while the server's threads read
         self._tokenizer: Any = None
+        self._decoding = threading.Lock()
+        self._decoded: dict[str, dict[str, Any]] = {}  # the trajectories shown, by id: decoded once
 
     def observe(self, item: Observed) -> None:
         record = item.record
@@ -104,7 +106,9 @@ class RunPage:
                 "drops": {reason: thin(points) for reason, points in series.drops_over_time().items()},
                 "versions": self._versions(series),
             }
-        out["trajectories"] = [self.decoded(t) for t in reversed(recent)]
+        with self._decoding:
+            self._decoded = {t.trajectory_id: self._decoded.get(t.trajectory_id) or self.decoded(t) for t in recent}
+            out["trajectories"] = [self._decoded[t.trajectory_id] for t in reversed(recent)]
         return out
 
     @staticmethod

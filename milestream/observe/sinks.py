@@ -13,16 +13,15 @@ sink that needs it, when a writer is switched on.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-log = logging.getLogger(__name__)
-
+FLUSH_TIMEOUT_S = 120.0  # a hang guard: W&B's service writes a finished run's log in well under a second
 TRAIN_PREFIXES = ("trainer", "processor", "rollout", "verifier", "dropped", "weights")  # every row key's first part
 
 
@@ -170,9 +169,18 @@ class WandbSink:
         self._log({_eval_key(name): score, "eval_step": step})
 
     def commit(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+        """Finish the run, then wait until its transaction log holds the last row: ``finish`` returns before
+        W&B's service has written it, and the service dies with this process."""
+        if self.run is None:
+            return
+        log_file, last = Path(self.run.settings.sync_file), self.next_row - 1
+        self.run.finish()
+        self.run = None
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        while not any(row.get("_step") == last for row in wandb_rows(log_file)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"W&B's service did not write row {last} to {log_file} within {FLUSH_TIMEOUT_S} s")
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.commit()
@@ -219,6 +227,8 @@ def wandb_rows(path: Path) -> Iterator[dict[str, Any]]:
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
+    if len(data) < len(_HEADER):  # its service has not written the header yet
+        return
     if not data.startswith(_HEADER):
         raise ValueError(f"{path}: not a W&B transaction log")
     for chunk in wandb_chunks(data):

@@ -22,6 +22,7 @@ lies before its own.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -127,6 +128,7 @@ class Tracker:
         self.offsets: Offsets = {(t, p): o for t, p, o in saved["offsets"]} if saved else {}
         if not self.written.params:
             sink.hyperparameters(params)
+            self.written.params = True
         self.moved = False  # read past its saved position
         self.fresh = 0  # points written since the position was saved
 
@@ -186,6 +188,18 @@ class Tracker:
         self.sink.close()
 
 
+def check_writers(cfg: Config) -> None:
+    """Every configured writer's library is installed (the trackers extra), before any stage starts."""
+    needs = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "mlflow": ["mlflow"]}
+    if (cfg.observe.mlflow_uri or "").startswith(("sqlite:", "local")):
+        needs["mlflow"] += ["sqlalchemy", "alembic"]  # MLflow's SQL store
+    missing = [f"{module} (for {writer})" for writer in cfg.observe.writers for module in needs[writer]
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ValueError(f"not installed: {', '.join(missing)}; the trackers extra has them: "
+                         "pip install -e '.[trackers]' (./scripts/setup installs it)")
+
+
 def run_identity(cfg: Config) -> tuple[str, str]:
     """The run's name in the trackers and its key: the same for a live run and for its archive read later."""
     folder = cfg.run_path.resolve()
@@ -235,6 +249,7 @@ def resume_from(trackers: list[Tracker]) -> Offsets:
 
 def track(cfg: Config, writers: list[str], stop: threading.Event, archive: Path | None = None) -> list[Tracker]:
     """Run ``writers`` until ``stop`` (live), or over the archive of run ``archive`` until its end."""
+    check_writers(cfg)
     trackers = [make_tracker(cfg, writer) for writer in writers]
     start = resume_from(trackers)
     last_commit = time.monotonic()

@@ -34,7 +34,7 @@ def chromium():
     options = Options()
     options.binary_location = browser
     for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1400,1100"):
+                     "--disable-crash-reporter", "--disable-breakpad", "--window-size=1400,1100"):
         options.add_argument(argument)
     return webdriver.Chrome(service=Service(driver), options=options)
 

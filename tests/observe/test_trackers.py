@@ -100,3 +100,25 @@ def test_trackers_write_each_step_once_across_a_kill_between_writing_and_saving(
     _, params = mlflow_points(f"sqlite:///{run_dir.resolve() / 'mlflow.db'}", "milestream", run_identity(cfg)[1])
     assert params["trainer.batch_groups"] == str(cfg.trainer.batch_groups) and "redis.password" in params
     assert params["redis.password"] == "null"  # the configuration's secrets are never written
+
+
+def test_wandb_transaction_log_reads_back_across_blocks_and_a_torn_tail(tmp_path):
+    """Rows bigger than W&B's 32 KiB blocks come back whole, in order; a log cut short (a killed service)
+    gives the rows before the cut."""
+    from milestream.observe.sinks import WandbSink, wandb_logs, wandb_rows
+
+    sink = WandbSink("offline", "milestream", None, tmp_path, "blocks", "blocks0", {"a": 1})
+    rows = {step: {f"trainer/figure_{i:03d}_{'x' * 40}": step + i / 1000 for i in range(300)} for step in range(1, 9)}
+    for step, values in rows.items():
+        sink.row(step, 0.0, values)
+    sink.commit()
+    (path,) = wandb_logs(tmp_path, "blocks0")
+    assert path.stat().st_size > 4 * 32 * 1024
+    read = [r for r in wandb_rows(path)]
+    assert [r["trainer_step"] for r in read] == list(rows)
+    assert all({k: r[k] for k in rows[r["trainer_step"]]} == rows[r["trainer_step"]] for r in read)
+    cut = tmp_path / "cut.wandb"
+    cut.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    assert [r["trainer_step"] for r in wandb_rows(cut)] == list(rows)[:len(list(wandb_rows(cut)))]
+    assert 0 < len(list(wandb_rows(cut))) < len(rows)
+    assert WandbSink("offline", "milestream", None, tmp_path, "blocks", "blocks0", {}).written().step == 8
