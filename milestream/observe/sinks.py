@@ -169,13 +169,17 @@ class WandbSink:
         self._log({_eval_key(name): score, "eval_step": step})
 
     def commit(self) -> None:
-        """Finish the run, then wait until its transaction log holds the last row: ``finish`` returns before
-        W&B's service has written it, and the service dies with this process."""
+        """Finish the run and stop W&B's service (``finish`` returns before the service has closed the run:
+        at once the next segment would find its id in use, and its log may still lack the last rows), then
+        check that the run's transaction log holds the last row."""
+        import wandb
+
         if self.run is None:
             return
         log_file, last = Path(self.run.settings.sync_file), self.next_row - 1
         self.run.finish()
         self.run = None
+        wandb.teardown()
         deadline = time.monotonic() + FLUSH_TIMEOUT_S
         while not any(row.get("_step") == last for row in wandb_rows(log_file)):
             if time.monotonic() > deadline:

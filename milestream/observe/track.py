@@ -22,6 +22,7 @@ lies before its own.
 """
 from __future__ import annotations
 
+import heapq
 import importlib.util
 import json
 import logging
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import xxhash
 
@@ -241,6 +242,16 @@ def make_tracker(cfg: Config, writer: str) -> Tracker:
     return Tracker(sink, positions / f"{writer}-{xxhash.xxh64(target.encode()).hexdigest()[:8]}.json", target, params)
 
 
+def in_time(items: Iterable[Observed]) -> Iterator[Observed]:
+    """A batch of the feed, which reads topic by topic, in the order it was published: each partition in offset
+    order, the partitions merged by record time. So a row carries what the other topics said before its step,
+    also when a writer catches up on a backlog."""
+    partitions: dict[tuple[str, int], list[tuple[float, Observed]]] = {}
+    for item in items:
+        partitions.setdefault((item.spec.name, item.position.partition), []).append((item.record.ts, item))
+    return (item for _, item in heapq.merge(*partitions.values(), key=lambda timed: timed[0]))
+
+
 def resume_from(trackers: list[Tracker]) -> Offsets:
     """Where the shared feed starts: the oldest position of any writer (the beginning where one has none)."""
     keys = set.intersection(*(set(t.offsets) for t in trackers)) if trackers else set()
@@ -271,8 +282,9 @@ def track(cfg: Config, writers: list[str], stop: threading.Event, archive: Path 
         topics = TopicFeed(cfg, f"{cfg.broker.topic_prefix}tracker", start=start)
         try:
             while not stop.is_set():
-                feed(topics.poll(0.5))
-            feed(topics.drain(idle_s=1.0))  # what the run published before it stopped this stage
+                feed(in_time(topics.poll(0.5)))
+            # what the run published before it stopped this stage (its last evaluation: orchestrator.py)
+            feed(in_time(topics.drain(idle_s=1.0, max_wait_s=20.0)))
         finally:
             topics.close()
     finally:

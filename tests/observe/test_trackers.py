@@ -12,7 +12,7 @@ from pathlib import Path
 
 from chaos import sigkill
 from holds import Holds
-from metrics_records import STEPS, publish_run, trainer_step
+from metrics_records import METRICS_RECORDS, STEPS, publish_run, trainer_step
 from tracker_stores import every_store, mlflow_points
 
 from milestream.infra.kafka import RecordProducer
@@ -22,6 +22,8 @@ from milestream.schemas import topics
 from milestream.schemas.records import EvalResult
 
 WRITERS = {"tensorboard": True, "wandb": "offline", "mlflow_uri": "local", "commit_s": 0.2}
+# publish_run's messages (its metrics, 4 drops, 2 versions, 3 acks) and 2 evaluations
+MESSAGES = METRICS_RECORDS + 4 + 2 + 3 + 2
 
 
 def start_tracker(config: Path, log: Path) -> subprocess.Popen:
@@ -36,17 +38,20 @@ def alive(tracker: subprocess.Popen, log: Path):
     return check
 
 
-def saved_steps(run_dir: Path) -> dict[str, int]:
-    """Each writer's saved position: the last trainer step its store holds, as it says."""
+def saved(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """Each writer's saved position: the last trainer step its store holds, and the messages it has read."""
     out = {}
     for path in (run_dir / "tracking").glob("*.json"):
-        out[path.name.split("-")[0]] = json.loads(path.read_text())["written"]["step"]
+        position = json.loads(path.read_text())
+        out[path.name.split("-")[0]] = position["written"]["step"], sum(o for _, _, o in position["offsets"])
     return out
 
 
-def wait_saved(run_dir: Path, step: int, tracker: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+def wait_saved(run_dir: Path, step: int, messages: int, tracker: subprocess.Popen, log: Path,
+               timeout_s: float = 120) -> None:
+    """Until every writer has saved a position past trainer step ``step`` and every one of ``messages``."""
     deadline = time.monotonic() + timeout_s
-    while not (len(steps := saved_steps(run_dir)) == 3 and min(steps.values()) >= step):
+    while not (len(steps := saved(run_dir)) == 3 and min(steps.values()) >= (step, messages)):
         alive(tracker, log)()
         assert time.monotonic() < deadline, f"timed out waiting for step {step} in every store: {steps}"
         time.sleep(0.2)
@@ -58,7 +63,7 @@ def test_trackers_write_each_step_once_across_a_kill_between_writing_and_saving(
     run_dir.mkdir(parents=True)
     config, log = tmp_path / "config.yaml", tmp_path / "tracker.log"
     config.write_text(cfg.to_yaml())
-    t0 = publish_run(cfg)
+    t0 = publish_run(cfg, bad_value=False)
     producer = RecordProducer(cfg.broker, client_id="trackers-test")
     for version, score in ((0, 0.25), (2, 0.5)):
         producer.send(topics.EVAL_RESULTS, [EvalResult("heldout", version, version, score, 0, "ok", "", t0 + version)])
@@ -73,10 +78,10 @@ def test_trackers_write_each_step_once_across_a_kill_between_writing_and_saving(
         holds.release("tracker.committing", held)
         tracker.wait(30)
         tracker = start_tracker(config, log)
-        wait_saved(run_dir, STEPS, tracker, log)
+        wait_saved(run_dir, STEPS, MESSAGES, tracker, log)  # all read: step 5's row carries every figure
         producer.send(topics.METRICS, [trainer_step(STEPS + 1, t0 + 50)], key="trainer")
         producer.flush()
-        wait_saved(run_dir, STEPS + 1, tracker, log)
+        wait_saved(run_dir, STEPS + 1, MESSAGES + 1, tracker, log)
     finally:
         terminate(tracker, grace=30)
     assert tracker.returncode == 0, log.read_text()[-3000:]
