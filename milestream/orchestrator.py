@@ -7,7 +7,9 @@
     when the trainer finishes: stop everything, evaluate the version it ended on unless an evaluator
     did (evaluate/evaluation.py ``finish_evaluation``), write summary.json and the plot
     (an archiver, started first and stopped last, keeps every topic on disk; a run started again
-    on the same run folder resumes from that archive)
+    on the same run folder resumes from that archive; the metrics stage serves the live page, and the
+    tracker stage, when observe.* switches a writer on, fills TensorBoard, W&B or MLflow: it too stays
+    for the last evaluation)
 
 Supervision: a stage that dies (a crash, an OOM kill, a SIGKILL) is started again, up to
 ``run.max_restarts`` times each; the log is what makes that safe (the processor rebuilds its partial
