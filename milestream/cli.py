@@ -1,5 +1,5 @@
-"""``milestream run | rollout | process | train | teacher | load-prompts | topics | archive | replay | export | mismatch | ...``
-over the one typed Config."""
+"""``milestream run | rollout | process | train | teacher | load-prompts | topics | archive | replay | export
+| mismatch | track | ...`` over the one typed Config."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,29 @@ def _metrics(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.observe.prometheus import serve
 
     serve(cfg, stop_on_signals(), port, args.prometheus_addr, args.jsonl)
+    return 0
+
+
+def _track(cfg: Config, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from milestream.observe.track import track
+
+    if args.from_archive:  # the archived run's own configuration, and its folder as the run's
+        args = argparse.Namespace(**{**vars(args), "run_dir": args.from_archive})
+        cfg = build_config(args)
+    cfg = run_configuration(cfg, args)
+    chosen = {"tensorboard": args.tensorboard is not None, "tensorboard_dir": args.tensorboard or None,
+              "wandb": args.wandb or "off", "mlflow_uri": args.mlflow_uri}
+    if args.tensorboard is not None or args.wandb or args.mlflow_uri:  # these writers alone, not the configured
+        cfg = cfg.with_overrides(observe=chosen)
+    if not cfg.observe.writers:
+        print("no tracker to write: give --tensorboard, --wandb or --mlflow-uri, or set observe.tensorboard, "
+              "observe.wandb or observe.mlflow_uri", file=sys.stderr)
+        return 2
+    archive = Path(args.from_archive) if args.from_archive else None
+    for tracker in track(cfg, cfg.observe.writers, stop_on_signals(), archive):
+        print(f"{tracker.sink.name}: {tracker.target}, up to step {tracker.written.step}", flush=True)
     return 0
 
 
@@ -264,8 +287,10 @@ COMMANDS = {
                           "or teacher_url) onto rollout.teacher_logprobs"),
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish the data set's prompts on the prompts topic (--follow: keep feeding)"),
-    "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the Prometheus "
-                          "endpoint of every figure; --jsonl PATH: log buffer.metrics"),
+    "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the live run page and "
+                          "the Prometheus endpoint of every figure; --jsonl PATH: log buffer.metrics"),
+    "track": (_track, "write the run to TensorBoard, W&B (offline by default) and MLflow, as observe.* or the flags "
+                      "say, each writer resuming from its own committed position; --from-archive RUN: an old run"),
     "plot": (_plot, "PNG plots (reward, staleness, queue, throughput, drops) of a run, archived or live"),
     "audit": (_audit, "exactly-once audit of a finished run from its archive and last checkpoint"),
     "verify-weights": (_verify_weights, "check every ack on weights.applied against weights.versions (metric + log)"),
@@ -302,6 +327,14 @@ def _mismatch_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--out", help="the plot's path (default RUN_DIR/plots/mismatch.png)")
 
 
+def _track_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
+                         help="TensorBoard event files under DIR/<run name> (default RUN_DIR/tensorboard)")
+    command.add_argument("--wandb", choices=["offline", "online"], help="a W&B run (offline: `wandb sync` later)")
+    command.add_argument("--mlflow-uri", metavar="URI", help="an MLflow tracking URI; local: RUN_DIR/mlflow.db")
+    command.add_argument("--from-archive", metavar="RUN", help="write the archived run in RUN/archive (no broker)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="milestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -325,12 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="keep --lookahead prompts ahead of rollout admissions until stopped")
             command.add_argument("--lookahead", type=int, help="default: twice the buffer capacity")
         if name == "metrics":
-            command.add_argument("--serve", action="store_true", help="serve the Prometheus endpoint (no view)")
+            command.add_argument("--serve", action="store_true", help="serve the live page and the Prometheus endpoint "
+                                 "(no terminal view)")
             command.add_argument("--prometheus-port", type=int, help="the endpoint's port (implies --serve; "
                                  "default 9464, 0: a free one)")
             command.add_argument("--prometheus-addr", default="127.0.0.1", help="0.0.0.0: scraped from other hosts")
             command.add_argument("--jsonl", help="append each buffer.metrics record to this JSONL file (resumes)")
             command.add_argument("--once", action="store_true", help="print one snapshot of the view and exit")
+        if name == "track":
+            _track_arguments(command)
         if name == "plot":
             command.add_argument("--source", choices=["auto", "archive", "topics"], default="auto",
                                  help="auto: RUN_DIR/archive when there is one, else the live topics")

@@ -372,6 +372,29 @@ class RunConfig(Section):
     max_restarts: int = 3  # milestream run starts a stage that died again, this many times at most
 
 
+class ObserveConfig(Section):
+    """Experiment trackers fed from the topics (observe/track.py), each with its own committed position."""
+
+    tensorboard: bool = False  # event files under tensorboard_dir/<run name>
+    tensorboard_dir: str | None = None  # None: RUN_DIR/tensorboard
+    wandb: Literal["off", "offline", "online"] = "off"  # offline: nothing leaves the machine (`wandb sync` later)
+    wandb_project: str = "milestream"
+    wandb_entity: str | None = None
+    wandb_dir: str | None = None  # wandb writes <dir>/wandb/; None: RUN_DIR
+    # None: off; "local": a SQLite store at RUN_DIR/mlflow.db; else any tracking URI (sqlite:///..., http://...)
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "milestream"
+    run_name: str | None = None  # in every tracker; None: the run folder's name
+    # a writer makes what it wrote durable and saves its position this often (W&B: one offline segment each)
+    commit_s: float = Field(60.0, gt=0)
+    page_trajectories: int = Field(6, ge=0)  # the live page shows this many of the newest trajectories
+
+    @property
+    def writers(self) -> list[str]:
+        return [name for name, on in (("tensorboard", self.tensorboard), ("wandb", self.wandb != "off"),
+                                      ("mlflow", self.mlflow_uri is not None)) if on]
+
+
 class WeightsConfig(Section):
     """How each new policy version reaches the rollout engines (streams/weights)."""
 
@@ -475,6 +498,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     sandbox: SandboxConfig = SandboxConfig()
     sessions: SessionsConfig = SessionsConfig()
+    observe: ObserveConfig = ObserveConfig()
     distill: DistillConfig = DistillConfig()  # on-policy distillation toward a teacher (distill_config.py)
 
     @model_validator(mode="before")
