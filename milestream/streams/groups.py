@@ -1,7 +1,8 @@
 """Group assembly and the arrival drop rules, free of any broker so they can be tested alone.
 
-A group is complete when every sample has its trajectory, its log-probs and, when its engine recorded
-MoE routing (``Trajectory.routing_chunks`` > 0), every routing chunk. Records may arrive in any order
+A group is complete when every sample has its trajectory, its log-probs, when its engine recorded
+MoE routing (``Trajectory.routing_chunks`` > 0) every routing chunk, and under on-policy distillation
+(``distill``) its teacher's log-probs. Records may arrive in any order
 and are de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is
 harmless.
 On completion a group is dropped when a sample failed (status ``error``: the engine or a rollout layer
@@ -19,10 +20,16 @@ from typing import Any, Callable, Sequence
 import zstandard
 
 from milestream.config import import_path
-from milestream.schemas.records import Dropped, GroupSample, LogProbs, Routing, Trajectory
+from milestream.schemas import topics
+from milestream.schemas.records import Dropped, GroupSample, LogProbs, Routing, TeacherLogProbs, Trajectory
 from milestream.schemas.routing import COMPRESSION, PLAIN_COMPRESSION, joined_fields
 
-SourceRecord = Trajectory | LogProbs | Routing
+SourceRecord = Trajectory | LogProbs | Routing | TeacherLogProbs
+
+
+def source_topics(teacher: bool) -> tuple[topics.TopicSpec, ...]:
+    """The topics a group is joined from; ``teacher``: on-policy distillation is on."""
+    return (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING) + ((topics.TEACHER_LOGPROBS,) if teacher else ())
 GroupFilter = Callable[[Sequence[GroupSample]], tuple[bool, str]]
 
 
@@ -62,6 +69,8 @@ def check_record(record: SourceRecord | GroupSample, group_size: int) -> None:
                             f"of group {record.group_id!r}")
     if isinstance(record, Trajectory):
         _check_trajectory(record)
+    if isinstance(record, TeacherLogProbs) and any(not lp <= 0.0 for lp in record.logprobs):
+        raise MismatchError("logprobs", "a NaN or positive teacher log-prob")
     if isinstance(record, (LogProbs, GroupSample)):
         _check_logprobs(record)
     elif isinstance(record, Routing):
@@ -92,9 +101,12 @@ def _check_logprobs(record: LogProbs | GroupSample) -> None:
     if any(not lp <= 0.0 for lp in record.logprobs):
         raise MismatchError("logprobs", "a NaN or positive log-prob")
     if isinstance(record, GroupSample):
-        if len(record.logprobs) != len(record.response_ids):
-            raise MismatchError("logprobs", f"{len(record.logprobs)} log-probs for {len(record.response_ids)} "
-                                "response tokens")
+        for name in ("logprobs", "teacher_logprobs"):
+            values = getattr(record, name)
+            if (values or name == "logprobs") and len(values) != len(record.response_ids):
+                raise MismatchError(name, f"{len(values)} log-probs for {len(record.response_ids)} response tokens")
+        if any(not lp <= 0.0 for lp in record.teacher_logprobs):
+            raise MismatchError("teacher_logprobs", "a NaN or positive log-prob")
         return
     if (record.topk_ids is None) != (record.topk_logprobs is None):
         raise MismatchError("topk_ids", "top-k ids and log-probs come together")
@@ -128,20 +140,28 @@ def _check_routing(r: Routing) -> None:
 @dataclass
 class PartialGroup:
     group_size: int
+    needs_teacher: bool = False
     trajectories: dict[int, Trajectory] = field(default_factory=dict)
     logprobs: dict[int, LogProbs] = field(default_factory=dict)
+    teacher: dict[int, TeacherLogProbs] = field(default_factory=dict)
     routing: dict[int, dict[int, Routing]] = field(default_factory=dict)  # sample -> chunk -> record
     handles: list[Any] = field(default_factory=list)  # source events, acknowledged when the group leaves
     first_seen: float = field(default_factory=time.monotonic)
 
     def complete(self) -> bool:
         return (len(self.trajectories) == self.group_size and len(self.logprobs) == self.group_size
+                and (not self.needs_teacher or len(self.teacher) == self.group_size)
                 and all(len(self.routing.get(i, {})) == t.routing_chunks for i, t in self.trajectories.items()))
 
     def has(self, record: SourceRecord) -> bool:
         if isinstance(record, Routing):
             return record.chunk_index in self.routing.get(record.sample_index, {})
-        return record.sample_index in (self.trajectories if isinstance(record, Trajectory) else self.logprobs)
+        return record.sample_index in self._held(record)
+
+    def _held(self, record: Trajectory | LogProbs | TeacherLogProbs) -> dict:
+        if isinstance(record, Trajectory):
+            return self.trajectories
+        return self.teacher if isinstance(record, TeacherLogProbs) else self.logprobs
 
     def check(self, record: SourceRecord) -> None:
         """Raise MismatchError when the record contradicts what the group already holds."""
@@ -165,25 +185,26 @@ class PartialGroup:
                                 f"declared, {expected} by the records before")
 
     def _check_lengths(self, record: SourceRecord) -> None:
-        """A trajectory and its log-probs cover the same response tokens."""
-        if isinstance(record, Trajectory) and record.sample_index in self.logprobs:
-            tokens, logprobs = len(record.response_ids), len(self.logprobs[record.sample_index].logprobs)
-        elif isinstance(record, LogProbs) and record.sample_index in self.trajectories:
-            tokens, logprobs = len(self.trajectories[record.sample_index].response_ids), len(record.logprobs)
+        """A trajectory, its log-probs and its teacher's cover the same response tokens."""
+        i = record.sample_index
+        if isinstance(record, Trajectory):
+            pairs = [(len(record.response_ids), len(held[i].logprobs)) for held in (self.logprobs, self.teacher)
+                     if i in held]
+        elif isinstance(record, (LogProbs, TeacherLogProbs)) and i in self.trajectories:
+            pairs = [(len(self.trajectories[i].response_ids), len(record.logprobs))]
         else:
             return
-        if tokens != logprobs:
-            raise MismatchError("logprobs" if isinstance(record, LogProbs) else "response_ids",
-                                f"group {record.group_id} sample {record.sample_index}: {logprobs} log-probs for "
-                                f"{tokens} response tokens")
+        for tokens, logprobs in pairs:
+            if tokens != logprobs:
+                raise MismatchError("response_ids" if isinstance(record, Trajectory) else "logprobs",
+                                    f"group {record.group_id} sample {i}: {logprobs} log-probs for "
+                                    f"{tokens} response tokens")
 
     def put(self, record: SourceRecord) -> None:
         if isinstance(record, Routing):
             self.routing.setdefault(record.sample_index, {})[record.chunk_index] = record
-        elif isinstance(record, Trajectory):
-            self.trajectories[record.sample_index] = record
         else:
-            self.logprobs[record.sample_index] = record
+            self._held(record)[record.sample_index] = record
 
     def _routing_chunks(self, sample_index: int) -> int | None:
         if sample_index in self.trajectories:
@@ -194,7 +215,8 @@ class PartialGroup:
     def joined(self) -> list[GroupSample]:
         return [
             GroupSample(**self.trajectories[i].to_row(), logprobs=self.logprobs[i].logprobs,
-                        **joined_fields(list(self.routing.get(i, {}).values())))
+                        **joined_fields(list(self.routing.get(i, {}).values())),
+                        teacher_logprobs=self.teacher[i].logprobs if i in self.teacher else [])
             for i in sorted(self.trajectories)
         ]
 
@@ -210,9 +232,11 @@ class Outcome:
 
 
 class GroupAssembler:
-    def __init__(self, group_filter: GroupFilter | None = None, max_staleness: int | None = None):
+    def __init__(self, group_filter: GroupFilter | None = None, max_staleness: int | None = None,
+                 needs_teacher: bool = False):
         self.group_filter = group_filter
         self.max_staleness = max_staleness
+        self.needs_teacher = needs_teacher  # on-policy distillation: a sample waits for its teacher's log-probs
         self.latest_version = 0
         self.partial: dict[str, PartialGroup] = {}
         self.finished: set[str] = set()  # group ids already emitted or dropped
@@ -234,7 +258,7 @@ class GroupAssembler:
         """
         if record.group_id in self.finished:
             return None, False
-        group = self.partial.get(record.group_id) or PartialGroup(record.group_size)
+        group = self.partial.get(record.group_id) or PartialGroup(record.group_size, self.needs_teacher)
         if group.has(record):
             return None, False
         group.check(record)
@@ -255,7 +279,8 @@ class GroupAssembler:
             samples = [GroupSample(**t.to_row()) for t in group.trajectories.values()]
             chunks = sum(len(c) for c in group.routing.values())
             detail = (f"{len(group.trajectories)}/{group.group_size} trajectories, {len(group.logprobs)} log-probs, "
-                      f"{chunks} routing chunks")
+                      f"{chunks} routing chunks" + (f", {len(group.teacher)} teacher log-probs" if group.needs_teacher
+                                                    else ""))
             outcomes.append(self._finish(gid, ("incomplete", detail), samples))
         return outcomes
 

@@ -42,7 +42,7 @@ from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
 from milestream.schemas.records import DeadLetter, Dropped, GroupSample, Metrics
 from milestream.streams.groups import (GroupAssembler, MismatchError, Outcome, SourceRecord, check_record, load_filter,
-                                       oldest_version)
+                                       oldest_version, source_topics)
 from milestream.streams.ledger import EMITTED, SENDING, SETTLED, BufferLedger
 from milestream.streams.versions import check_version
 
@@ -142,13 +142,12 @@ def faust_settings(cfg: Config) -> dict[str, Any]:
 class Processor:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sources = {topic_name(cfg.broker, spec): spec
-                        for spec in (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)}
+        self.sources = {topic_name(cfg.broker, spec): spec for spec in source_topics(cfg.distill.enabled)}
         self.offsets: HeldOffsets = HeldOffsets()
         self.app = ProcessorApp(app_id(cfg), **faust_settings(cfg))
         self.app.fetch_wait_ms = cfg.broker.fetch_wait_ms
         self.app.source_topics, self.app.source_offsets = frozenset(self.sources), self.offsets
-        self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound)
+        self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound, cfg.distill.enabled)
         self.ledger = BufferLedger(cfg)
         self.counts: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()

@@ -138,7 +138,7 @@ class GroupCollector:
             return  # taken or dropped before: skipped as a re-read
         sent = self.ledger.settlement(group_id) is not None
         try:
-            check_group(samples, self.cfg.rollout.group_size, self.vocab_size, self.context)
+            check_group(samples, self.cfg.rollout.group_size, self.vocab_size, self.context, self.cfg.distill.enabled)
         except MismatchError as exc:
             if sent:
                 record = drop_record(group_id, samples, "invalid", f"{exc.field}: {exc}", "trainer", -1)
@@ -170,10 +170,15 @@ class GroupCollector:
         self.consumer.close()
 
 
-def check_group(samples: list[GroupSample], group_size: int, vocab_size: int, context: int) -> None:
-    """Raise MismatchError naming the field of a group no training step can take (``context``: the model's)."""
+def check_group(samples: list[GroupSample], group_size: int, vocab_size: int, context: int,
+                needs_teacher: bool = False) -> None:
+    """Raise MismatchError naming the field of a group no training step can take (``context``: the model's;
+    ``needs_teacher``: on-policy distillation is on)."""
     for sample in samples:
         check_record(sample, group_size)
+        if needs_teacher and len(sample.teacher_logprobs) != len(sample.response_ids):
+            raise MismatchError("teacher_logprobs", f"sample {sample.sample_index}: no teacher log-probs, and "
+                                "distill is on")
         if sample.group_id != samples[0].group_id:
             raise MismatchError("group_id", f"samples of groups {samples[0].group_id!r} and {sample.group_id!r}")
         if max(sample.prompt_ids + sample.response_ids, default=0) >= vocab_size:
