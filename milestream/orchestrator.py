@@ -99,6 +99,7 @@ def page_port(cfg: Config) -> int:
         with socket.socket() as sock:
             port = before if sock.connect_ex(("127.0.0.1", before)) != 0 else 0
     port = port or free_port()
+    saved.parent.mkdir(parents=True, exist_ok=True)
     saved.write_text(f"http://127.0.0.1:{port}/\n")
     return port
 
