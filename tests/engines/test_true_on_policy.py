@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from holds import Holds
+from holds import Holds, update_mid_generation
 
 from milestream.config import Config
 from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
@@ -137,24 +137,6 @@ def new_weights(learner: Learner) -> dict[str, torch.Tensor]:
     return {name: t + 0.05 * torch.randn(t.shape) for name, t in learner.export_weights().items()}
 
 
-def update_mid_generation(engine: CpuEngine, reqs: Sequence[GenerateRequest], update: dict[str, torch.Tensor],
-                          holds: Holds) -> list[GenerateResult]:
-    """The requests join one step; the engine is held after its AT_STEP-th step while version 1 lands."""
-
-    async def run() -> list[GenerateResult]:
-        await engine.pause()  # queued while paused: all of them join the first step
-        tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
-        await asyncio.sleep(0)  # each task runs to its first await: its request is queued
-        holds.arm("engine.stepped", at_pass=AT_STEP)
-        await engine.resume()
-        held_by = await asyncio.to_thread(holds.wait_held, "engine.stepped", 300)
-        await engine.update_weights(1, update)
-        holds.release("engine.stepped", held_by)
-        return list(await asyncio.gather(*tasks))
-
-    return asyncio.run(run())
-
-
 @pytest.mark.parametrize("inflight", ["abort", "keep", "retract"])
 @pytest.mark.parametrize("model", MODELS)
 def test_logprobs_stay_equal_across_a_weight_update(model: str, inflight: str, engines, holds: Holds) -> None:
@@ -163,7 +145,7 @@ def test_logprobs_stay_equal_across_a_weight_update(model: str, inflight: str, e
     learner = Learner(cfg)
     reqs = requests({(3, 4, 5): (1.0, (LONG, LONG)), (9, 8, 7, 6, 5, 4, 2, 1, 99, 98, 97): (0.7, (LONG,))})
     update = new_weights(learner)
-    results = update_mid_generation(engine, reqs, update, holds)
+    results = update_mid_generation(engine, reqs, update, holds, AT_STEP)
     before = trainer_logprobs(learner, reqs, results)
     load_trainable_state_dict(learner.backend.model, update)
     after = trainer_logprobs(learner, reqs, results)
