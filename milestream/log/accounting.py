@@ -32,7 +32,8 @@ from milestream.streams.ledger import BufferLedger, Reconciled
 
 log = logging.getLogger(__name__)
 
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
+# what the processor joins groups from (the teacher's topic holds records only under distill)
+SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING, topics.TEACHER_LOGPROBS)
 Row = tuple[int, int, str]  # (partition, offset, group id) of one record
 
 
