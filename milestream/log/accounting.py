@@ -28,12 +28,13 @@ from milestream.infra.kafka import LogAdmin, topic_name
 from milestream.log.lineage import TrainerPosition, dead_lettered
 from milestream.log.reader import BrokerSource, LogSource, SkipBadRecords
 from milestream.schemas import topics
+from milestream.streams.groups import source_topics
 from milestream.streams.ledger import BufferLedger, Reconciled
 
 log = logging.getLogger(__name__)
 
 # what the processor joins groups from (the teacher's topic holds records only under distill)
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING, topics.TEACHER_LOGPROBS)
+SOURCES = source_topics(teacher=True)
 Row = tuple[int, int, str]  # (partition, offset, group id) of one record
 
 
