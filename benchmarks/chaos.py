@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import random
 import secrets
 import statistics
@@ -58,6 +57,7 @@ from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import ArchiveSource, read_archive_fields
 from milestream.observe.report import summarise
 from milestream.schemas import topics
+from milestream.infra.secret_env import run_environment
 from milestream.streams.ledger import BufferLedger
 from tests.chaos import SERVICES, STAGES, sigkill, targets
 
@@ -106,9 +106,8 @@ class Run:
         self.started = time.time()
         self.newest, self.moved = 0.0, time.monotonic()  # the newest step record's time, when it last changed
         command = [sys.executable, "-m", "milestream.cli", "run", *(a for o in overrides for a in ("--set", o))]
-        # its embedded Redis's password, known here to read the ledger (RUN_DIR/config.yaml never holds it)
-        self.redis_password = secrets.token_urlsafe(32)
-        env = {**os.environ, "MILESTREAM__REDIS__PASSWORD": json.dumps(self.redis_password)}
+        self.redis_password = secrets.token_urlsafe(32)  # its embedded Redis's: known here to read the ledger
+        env = run_environment(self.redis_password)
         with open(run_dir / "run.out", "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
 

@@ -44,13 +44,15 @@ from milestream.infra.services import die_with_parent, services
 from milestream.schemas import routing, topics
 from milestream.schemas.codec import encode, headers_for
 from milestream.schemas.records import LogProbs, Routing, Trajectory
+from milestream.streams.groups import source_topics
 from milestream.streams.ledger import BufferLedger
-from milestream.streams.processor import BATCH, SOURCES
+from milestream.streams.processor import BATCH
 from milestream.train.collector import GroupCollector
 
 RAW = topics.TopicSpec("bench.raw", Trajectory, "group id", max_message_mb=64)
 COPY = topics.TopicSpec("bench.copy", Trajectory, "group id", max_message_mb=64)
 VOCAB, PARTITIONS = 49152, 4
+SOURCES = source_topics(teacher=False)
 
 
 @dataclass(frozen=True)

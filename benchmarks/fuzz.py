@@ -40,6 +40,7 @@ import collections
 import functools
 import json
 import logging
+import secrets
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,7 @@ from milestream.log.lineage import dead_lettered
 from milestream.log.reader import SkipBadRecords, read_archive_fields
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
+from milestream.infra.secret_env import run_environment
 from milestream.streams.ledger import BufferLedger
 from tests.fuzz_records import Hostile, HostileRecords
 
@@ -85,8 +87,10 @@ class Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir, self.started = run_dir, time.monotonic()
         command = [sys.executable, "-m", "milestream.cli", "run", *(a for o in overrides for a in ("--set", o))]
+        self.redis_password = secrets.token_urlsafe(32)  # its embedded Redis's: known here to read the ledger
         with open(run_dir / "run.out", "w") as out, open(run_dir / "run.err", "w") as err:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                         env=run_environment(self.redis_password))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -96,7 +100,7 @@ class Run:
         deadline, path = time.monotonic() + timeout_s, self.run_dir / "config.yaml"
         while time.monotonic() < deadline and self.alive():
             if path.exists():
-                cfg = load_config(path)
+                cfg = load_config(path).with_overrides(redis={"password": self.redis_password})
                 names = {topic_name(cfg.broker, spec) for spec in topics.CATALOGUE}
                 if names <= set(Admin(cfg.broker).list_topics()):
                     return cfg

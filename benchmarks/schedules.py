@@ -87,7 +87,7 @@ def measure(run_dir: Path, warmup: int) -> dict:
     tokens = sum(s.values["response_len_mean"] * s.values["samples"] for s in window)
     lags = [lag for s in window for lag in s.group_staleness]
     trained = sum(len(s.group_ids) for s in window)
-    dropped = sum(v for s in window for k, v in s.values.items() if k.startswith("dropped_") and k != "dropped_stale_total")
+    dropped = sum(v for s in window for k, v in s.values.items() if k.startswith("dropped_"))
     waiting = sum(s.values["collect_s"] for s in window)
     audit = audit_run(run_dir)
     return {"trained_tokens_s": round(tokens / wall, 2), "gen_utilisation": round(busy_over(run_dir, start, window[-1].ts), 3),

@@ -1,4 +1,5 @@
-"""``milestream run | rollout | process | train | load-prompts | topics | archive | replay | export`` over the one typed Config."""
+"""``milestream run | rollout | process | train | teacher | load-prompts | topics | archive | replay | export
+| mismatch | track | ...`` over the one typed Config."""
 from __future__ import annotations
 
 import argparse
@@ -117,6 +118,29 @@ def _metrics(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _track(cfg: Config, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from milestream.observe.track import track
+
+    if args.from_archive:  # the archived run's own configuration, and its folder as the run's
+        args = argparse.Namespace(**{**vars(args), "run_dir": args.from_archive})
+        cfg = build_config(args)
+    cfg = run_configuration(cfg, args)
+    chosen = {"tensorboard": args.tensorboard is not None, "tensorboard_dir": args.tensorboard or None,
+              "wandb": args.wandb or "off", "mlflow_uri": args.mlflow_uri}
+    if args.tensorboard is not None or args.wandb or args.mlflow_uri:  # these writers alone, not the configured
+        cfg = cfg.with_overrides(observe=chosen)
+    if not cfg.observe.writers:
+        print("no tracker to write: give --tensorboard, --wandb or --mlflow-uri, or set observe.tensorboard, "
+              "observe.wandb or observe.mlflow_uri", file=sys.stderr)
+        return 2
+    archive = Path(args.from_archive) if args.from_archive else None
+    for tracker in track(cfg, cfg.observe.writers, stop_on_signals(), archive):
+        print(f"{tracker.sink.name}: {tracker.target}, up to step {tracker.written.step}", flush=True)
+    return 0
+
+
 def _plot(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.observe.plots import plot_run
 
@@ -140,6 +164,13 @@ def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.streams.weights.verify import WeightVerifier
 
     WeightVerifier(cfg).run(stop_on_signals())
+    return 0
+
+
+def _teacher(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.producers.teacher import run_teacher
+
+    run_teacher(cfg, stop_on_signals())
     return 0
 
 
@@ -205,6 +236,12 @@ def _export(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _mismatch(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.observe import mismatch
+
+    return mismatch.run(run_configuration(cfg, args), args)
+
+
 def _sessions(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.producers.sessions.server import serve_sessions
 
@@ -246,10 +283,14 @@ COMMANDS = {
     "rollout": (_rollout, "run a rollout worker (engine + async sampling)"),
     "process": (_process, "run a stream processor (any number share the work: one consumer group)"),
     "train": (_train, "run the trainer"),
+    "teacher": (_teacher, "on-policy distillation: score every rollout trajectory on the teacher (distill.teacher_path "
+                          "or teacher_url) onto rollout.teacher_logprobs"),
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish the data set's prompts on the prompts topic (--follow: keep feeding)"),
-    "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the Prometheus "
-                          "endpoint of every figure; --jsonl PATH: log buffer.metrics"),
+    "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the live run page and "
+                          "the Prometheus endpoint of every figure; --jsonl PATH: log buffer.metrics"),
+    "track": (_track, "write the run to TensorBoard, W&B (offline by default) and MLflow, as observe.* or the flags "
+                      "say, each writer resuming from its own committed position; --from-archive RUN: an old run"),
     "plot": (_plot, "PNG plots (reward, staleness, queue, throughput, drops) of a run, archived or live"),
     "audit": (_audit, "exactly-once audit of a finished run from its archive and last checkpoint"),
     "verify-weights": (_verify_weights, "check every ack on weights.applied against weights.versions (metric + log)"),
@@ -264,8 +305,34 @@ COMMANDS = {
                         "to --list, --show, --export or --redrive (see observe/debug_cli.py)"),
     "export": (_export, "write a trained version (default: the newest kept) of --run-dir as a Hugging Face folder "
                         "--out (LoRA merged; --adapter: the PEFT adapter alone), with its tokenizer"),
+    "mismatch": (_mismatch, "recompute the trainer's log-probs of chosen logged samples at the versions that "
+                            "generated them and compare with the rollout's, token by token: table, top-k KL, plot, "
+                            "the first token where they disagree (see observe/mismatch.py)"),
     "sessions": (_sessions, "serve token-in-token-out chat sessions over HTTP (sessions.host:port)"),
 }
+
+
+def _mismatch_arguments(command: argparse.ArgumentParser) -> None:
+    pick = command.add_argument_group("which samples (all given must hold); then --worst N of them")
+    pick.add_argument("--from-broker", action="store_true", help="read the run's topics on the broker "
+                      "(--bootstrap-servers, or the one RUN_DIR/config.yaml names) instead of RUN_DIR/archive")
+    pick.add_argument("--trajectory", action="append", default=[], metavar="GROUP/INDEX",
+                      help="a sample by its trajectory id (repeatable)")
+    pick.add_argument("--group", action="append", default=[], help="the samples of a group (repeatable)")
+    pick.add_argument("--steps", help="A:B or N: the samples of the groups these trainer steps trained")
+    pick.add_argument("--worst", type=int, metavar="N", help="of those (or of every sample on the log), the N "
+                      "with the largest |trainer - rollout| on any token")
+    command.add_argument("--tolerance", type=float, help="a disagreement is a difference beyond this (default: "
+                         "any difference when the run had rollout.true_on_policy, else 0.1 nats)")
+    command.add_argument("--out", help="the plot's path (default RUN_DIR/plots/mismatch.png)")
+
+
+def _track_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--tensorboard", nargs="?", const="", metavar="DIR",
+                         help="TensorBoard event files under DIR/<run name> (default RUN_DIR/tensorboard)")
+    command.add_argument("--wandb", choices=["offline", "online"], help="a W&B run (offline: `wandb sync` later)")
+    command.add_argument("--mlflow-uri", metavar="URI", help="an MLflow tracking URI; local: RUN_DIR/mlflow.db")
+    command.add_argument("--from-archive", metavar="RUN", help="write the archived run in RUN/archive (no broker)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,12 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="keep --lookahead prompts ahead of rollout admissions until stopped")
             command.add_argument("--lookahead", type=int, help="default: twice the buffer capacity")
         if name == "metrics":
-            command.add_argument("--serve", action="store_true", help="serve the Prometheus endpoint (no view)")
+            command.add_argument("--serve", action="store_true", help="serve the live page and the Prometheus endpoint "
+                                 "(no terminal view)")
             command.add_argument("--prometheus-port", type=int, help="the endpoint's port (implies --serve; "
                                  "default 9464, 0: a free one)")
             command.add_argument("--prometheus-addr", default="127.0.0.1", help="0.0.0.0: scraped from other hosts")
             command.add_argument("--jsonl", help="append each buffer.metrics record to this JSONL file (resumes)")
             command.add_argument("--once", action="store_true", help="print one snapshot of the view and exit")
+        if name == "track":
+            _track_arguments(command)
         if name == "plot":
             command.add_argument("--source", choices=["auto", "archive", "topics"], default="auto",
                                  help="auto: RUN_DIR/archive when there is one, else the live topics")
@@ -323,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
             from milestream.observe.debug_cli import add_arguments as add_replay_arguments
 
             add_replay_arguments(command)
+        if name == "mismatch":
+            _mismatch_arguments(command)
     return parser
 
 

@@ -17,6 +17,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer, field_validator,
                       model_validator)
 
+from milestream.distill_config import DistillConfig
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -214,6 +216,12 @@ class RolloutConfig(Section):
     temperature: float = 1.0
     max_inflight_samples: int = 16
     max_batch: int = 32  # engine batch (samples generated together)
+    # the CPU engine and the trainer (local backend) compute every log-prob alike, bit for bit
+    # (infra/on_policy.py): batch-invariant linear layers and attention, the trainer's dtype path
+    true_on_policy: bool = False
+    # > 0: the CPU engine records each generated token's k likeliest ids and their log-probs, published
+    # on rollout.logprobs (LogProbs.topk_ids / topk_logprobs) for full-distribution comparisons
+    logprobs_topk: int = Field(0, ge=0)
     refill: Literal["sample", "group"] = "sample"
     num_workers: int = 1
     # None: each worker runs a CpuEngine in-process; a URL: engines behind SGLang's HTTP API (an engine
@@ -364,6 +372,29 @@ class RunConfig(Section):
     max_restarts: int = 3  # milestream run starts a stage that died again, this many times at most
 
 
+class ObserveConfig(Section):
+    """Experiment trackers fed from the topics (observe/track.py), each with its own committed position."""
+
+    tensorboard: bool = False  # event files under tensorboard_dir/<run name>
+    tensorboard_dir: str | None = None  # None: RUN_DIR/tensorboard
+    wandb: Literal["off", "offline", "online"] = "off"  # offline: nothing leaves the machine (`wandb sync` later)
+    wandb_project: str = "milestream"
+    wandb_entity: str | None = None
+    wandb_dir: str | None = None  # wandb writes <dir>/wandb/; None: RUN_DIR
+    # None: off; "local": a SQLite store at RUN_DIR/mlflow.db; else any tracking URI (sqlite:///..., http://...)
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "milestream"
+    run_name: str | None = None  # in every tracker; None: the run folder's name
+    # a writer makes what it wrote durable and saves its position this often (W&B: one offline segment each)
+    commit_s: float = Field(60.0, gt=0)
+    page_trajectories: int = Field(6, ge=0)  # the live page shows this many of the newest trajectories
+
+    @property
+    def writers(self) -> list[str]:
+        return [name for name, on in (("tensorboard", self.tensorboard), ("wandb", self.wandb != "off"),
+                                      ("mlflow", self.mlflow_uri is not None)) if on]
+
+
 class WeightsConfig(Section):
     """How each new policy version reaches the rollout engines (streams/weights)."""
 
@@ -467,6 +498,8 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     sandbox: SandboxConfig = SandboxConfig()
     sessions: SessionsConfig = SessionsConfig()
+    observe: ObserveConfig = ObserveConfig()
+    distill: DistillConfig = DistillConfig()  # on-policy distillation toward a teacher (distill_config.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -499,6 +532,9 @@ class Config(Section):
             raise ValueError("buffer capacity must hold at least one training batch")
         if self.rollout.refill == "group" and self.rollout.max_inflight_samples < self.rollout.group_size:
             raise ValueError("group refill needs rollout.max_inflight_samples >= rollout.group_size")
+        if self.distill.enabled and self.trainer.objective == "supervised" and not self.trainer.loss:
+            raise ValueError("distill: the teacher's signal is an advantage, which trainer.objective "
+                             "supervised does not read")
         return self
 
     @property

@@ -1,13 +1,15 @@
 """``milestream run``: the whole loop on one machine, every stage its own process.
 
     start broker and Redis (or use the given ones), create the topics, fill the credit
-    publish prompts; start the processor, the rollout workers and the trainer
+    publish prompts; start the processor, the rollout workers (and with distill the teacher) and the trainer
     follow buffer.metrics, buffer.dropped and eval.results, print each trainer step and each evaluation
     (dead-lettering a record none of the stages wrote: log/lineage.py check_observed)
     when the trainer finishes: stop everything, evaluate the version it ended on unless an evaluator
     did (evaluate/evaluation.py ``finish_evaluation``), write summary.json and the plot
     (an archiver, started first and stopped last, keeps every topic on disk; a run started again
-    on the same run folder resumes from that archive)
+    on the same run folder resumes from that archive; the metrics stage serves the live page, and the
+    tracker stage, when observe.* switches a writer on, fills TensorBoard, W&B or MLflow: it too stays
+    for the last evaluation)
 
 Supervision: a stage that dies (a crash, an OOM kill, a SIGKILL) is started again, up to
 ``run.max_restarts`` times each; the log is what makes that safe (the processor rebuilds its partial
@@ -20,6 +22,7 @@ topics, or the archive when the broker was lost too; log/accounting.py); then th
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
 import time
@@ -33,9 +36,11 @@ from milestream.infra.services import Services, die_with_parent, embedded, free_
 from milestream.log.accounting import rebuild_from_broker
 from milestream.log.lineage import Lineage, check_observed
 from milestream.observe.feed import TopicFeed
+from milestream.observe.track import check_writers
 from milestream.producers.worker import EXIT_GAVE_UP
 from milestream.observe.report import write_report
 from milestream.producers.inputs import check_inputs
+from milestream.producers.teacher import check_teacher
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import EvalResult, Metrics, Record
@@ -84,6 +89,21 @@ def prepare(cfg: Config) -> None:
     check_backend(cfg)
 
 
+def page_port(cfg: Config) -> int:
+    """run.prometheus_port, or (0) the port this run folder's page had before when it is free, so an open page
+    finds the run again after ``milestream run`` is started again on the folder; RUN_DIR/page.url says where."""
+    saved = cfg.run_path / "page.url"
+    port = cfg.run.prometheus_port
+    if not port and saved.exists():
+        before = int(saved.read_text().strip().rsplit(":", 1)[1].rstrip("/"))
+        with socket.socket() as sock:
+            port = before if sock.connect_ex(("127.0.0.1", before)) != 0 else 0
+    port = port or free_port()
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(f"http://127.0.0.1:{port}/\n")
+    return port
+
+
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
     prepare(cfg)
     Admin(cfg.broker).create_topics()
@@ -99,11 +119,15 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
     children += [child("loader", ["load-prompts", "--follow"]), child("processor", ["process"])]
     children += [child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"])
                  for i in range(cfg.rollout.num_workers)]
+    if cfg.distill.enabled:  # on-policy distillation: the teacher scores every trajectory
+        children.append(child("teacher", ["teacher"]))
     if cfg.run.prometheus_port is not None:
-        port = cfg.run.prometheus_port or free_port()
+        port = page_port(cfg)
         children.append(child("metrics", ["metrics", "--serve", "--prometheus-port", str(port),
                                           "--jsonl", str(cfg.run_path / "metrics.jsonl")]))
-        print(f"Prometheus metrics: http://127.0.0.1:{port}/metrics", flush=True)
+        print(f"live page: http://127.0.0.1:{port}/  (Prometheus: http://127.0.0.1:{port}/metrics)", flush=True)
+    if cfg.observe.writers:
+        children.append(child("tracker", ["track"]))
     children.append(child("verifier", ["verify-weights"]))
     if cfg.eval.mode in ("dedicated", "external"):  # eval.mode shared runs inside the rollout workers
         children.append(child("evaluator", ["eval"]))
@@ -205,10 +229,10 @@ def print_evaluations(results: list[EvalResult], printed: set[tuple[str, int, fl
         print(f"eval v{r.version} (step {r.step}, lag {r.lag_steps}): {r.name} {outcome}", flush=True)
 
 
-def stop_stages(children: list[Child], trainer: Child, keep: str = "") -> None:
-    """Every stage but ``keep``, the trainer first (given the time to finish its step)."""
+def stop_stages(children: list[Child], trainer: Child, keep: tuple[str, ...] = ()) -> None:
+    """Every stage but those named in ``keep``, the trainer first (given the time to finish its step)."""
     for child in reversed(children):
-        if child.name != keep:
+        if child.name not in keep:
             child.stop(grace=120.0 if child is trainer else 20.0)
 
 
@@ -245,6 +269,8 @@ def recover(live: Services, run_dir: Path) -> None:
 
 def run_loop(cfg: Config) -> dict:
     check_inputs(cfg)  # bad data or a bad reward fails here, before any stage (or the broker) starts
+    check_writers(cfg)
+    check_teacher(cfg)
     started = time.monotonic()
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"
@@ -262,7 +288,8 @@ def run_loop(cfg: Config) -> dict:
             monitor = Monitor(live.cfg, printed, printed_evals, started)
             try:
                 stopped_by = follow(live.cfg, live, children, trainer, monitor)
-                stop_stages(children, trainer, keep="archiver")  # the archiver keeps the last evaluation too
+                # the archiver and the trackers keep the last evaluation too
+                stop_stages(children, trainer, keep=("archiver", "tracker"))
                 evals = evaluate_run_end(live.cfg, printed_evals)
                 break
             except ServiceLost as lost:

@@ -2,6 +2,7 @@
 there (its state cannot move while it does), act, then release it or kill it."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -57,3 +58,22 @@ class Holds:
         """Disarm, release and recover everything: a failed test leaves no stage held behind it."""
         for path in self.directory.iterdir():
             path.unlink(missing_ok=True)
+
+
+def update_mid_generation(engine, requests, update: dict, holds: Holds, at_step: int,
+                          hang_guard_s: float = 300.0) -> list:
+    """The requests join one step of ``engine`` (a CpuEngine); it is held after its ``at_step``-th step while
+    version 1 (``update``) lands, then let go: the requests' results."""
+
+    async def run() -> list:
+        await engine.pause()  # queued while paused: all of them join the first step
+        tasks = [asyncio.create_task(engine.generate(r)) for r in requests]
+        await asyncio.sleep(0)  # each task runs to its first await: its request is queued
+        holds.arm("engine.stepped", at_pass=at_step)
+        await engine.resume()
+        held_by = await asyncio.to_thread(holds.wait_held, "engine.stepped", hang_guard_s)
+        await engine.update_weights(1, update)
+        holds.release("engine.stepped", held_by)
+        return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(run())

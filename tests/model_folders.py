@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from milestream.config import ModelConfig
-from milestream.infra.model import load_tokenizer
+from milestream.infra.model import load_model, load_tokenizer
 
 
 def _common() -> dict:
@@ -26,6 +26,17 @@ def tiny_llama_folder(folder: Path, seed: int = 0) -> Path:
                          intermediate_size=128, tie_word_embeddings=False, **_common())
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)
+    save_tokenizer(folder)
+    return folder
+
+
+def tiny_random_folder(folder: Path, norm_scale: float = 1.0) -> Path:
+    """The built-in tiny-random (model.name, seed 0) as a folder; ``norm_scale`` multiplies its final norm's
+    weight, so every logit: > 1 a sharper model of the same preferences, < 1 a flatter one."""
+    model = load_model(ModelConfig(name="tiny-random", lora_rank=0), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(norm_scale)
+    model.save_pretrained(folder)
     save_tokenizer(folder)
     return folder
 

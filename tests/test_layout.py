@@ -6,7 +6,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "milestream"
 # each room may import only the rooms before it (and itself)
-ORDER = ["config", "schemas", "infra", "streams", "engines", "producers", "train", "log", "observe", "evaluate",
+ORDER = ["distill_config", "config", "schemas", "infra", "streams", "engines", "producers", "train", "log", "observe", "evaluate",
          "orchestrator", "cli"]
 
 

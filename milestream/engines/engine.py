@@ -9,10 +9,11 @@ resumed, a completion spans several versions (the trainer corrects for it with i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -21,9 +22,10 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from milestream.config import ModelConfig, RolloutConfig
-from milestream.infra import faults
+from milestream.infra import faults, on_policy
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict, stop_token_ids
 from milestream.engines.moe_routing import RecordedRouting, RoutingTap, RowRouting
+from milestream.engines.scoring import ScoreRequest, left_padded, score_batch
 
 FinishReason = Literal["stop", "length", "abort"]
 InflightPolicy = Literal["abort", "keep", "retract"]  # config.WeightsConfig.inflight
@@ -55,6 +57,10 @@ class GenerateResult:
     versions: tuple[int, ...]  # weight version of the forward pass that produced each token
     finish_reason: FinishReason
     routing: RecordedRouting | None = None  # MoE models: expert ids of every token (engines/moe_routing.py)
+    # rollout.logprobs_topk > 0: for each token the k likeliest ids and their log-probs, from the same
+    # distribution as its log-prob (descending); () when not asked
+    topk_ids: tuple[tuple[int, ...], ...] = ()
+    topk_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 class Engine(Protocol):
@@ -91,6 +97,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routing: RowRouting | None = None
+    topk_ids: list[tuple[int, ...]] = field(default_factory=list)
+    topk_logprobs: list[tuple[float, ...]] = field(default_factory=list)
 
     def context(self) -> tuple[int, ...]:
         """What a prefill of this row runs over: the prompt, and any tokens it already generated
@@ -105,11 +113,17 @@ class _Row:
             tuple(self.versions),
             finish_reason,
             self.routing.result() if self.routing else None,
+            tuple(self.topk_ids),
+            tuple(self.topk_logprobs),
         )
-        self.loop.call_soon_threadsafe(_set_result, self.future, result)
+        self._deliver(_set_result, result)
 
     def fail(self, exc: BaseException) -> None:
-        self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
+        self._deliver(_set_exception, exc)
+
+    def _deliver(self, setter, value) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's event loop has closed: no one waits for the row
+            self.loop.call_soon_threadsafe(setter, self.future, value)
 
 
 def _set_result(future: asyncio.Future[GenerateResult], result: GenerateResult) -> None:
@@ -153,10 +167,17 @@ class CpuEngine:
         admit_window_s: float = 0.005,  # lets a burst of concurrent generate() calls share one prefill
         inflight: InflightPolicy = "retract",  # what rows decoding when a weight update lands become
     ) -> None:
-        self.model: nn.Module = load_model(model_cfg, dtype=compute_dtype(model_cfg))
+        # true on-policy: the trainer's numerics (infra/on_policy.py), its fp32 weights under its autocast
+        self._exact = rollout_cfg.true_on_policy
+        self._compute_dtype = compute_dtype(model_cfg)
+        self.model: nn.Module = load_model(model_cfg, dtype=torch.float32 if self._exact else self._compute_dtype)
         self.model.requires_grad_(False)
+        if self._exact:
+            on_policy.make_exact(self.model)
+            on_policy.cast_linear_weights(self.model, self._compute_dtype)
         self._routing_tap = RoutingTap.attach(self.model)  # None: a dense model, nothing to record
         self._max_batch = rollout_cfg.max_batch
+        self._topk = rollout_cfg.logprobs_topk
         self._admit_window_s = admit_window_s
         self._generator = torch.Generator().manual_seed(seed)
         self._version = initial_version
@@ -201,6 +222,14 @@ class CpuEngine:
             raise ValueError(f"weight version {version} is older than the engine's {self._version}")
         await asyncio.to_thread(self._apply_weights, version, tensors)
 
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[list[float]]:
+        """The log-prob of every response token of ``requests`` (engines/scoring.py), between two steps."""
+        return await asyncio.to_thread(self._score, list(requests))
+
+    def _score(self, requests: list[ScoreRequest]) -> list[list[float]]:
+        with self._step_lock, torch.inference_mode():
+            return score_batch(self._forward, self.model.config, requests)
+
     async def close(self) -> None:
         """Stops the worker; requests still in flight resolve with finish_reason "abort"."""
         with self._cond:
@@ -221,6 +250,9 @@ class CpuEngine:
             started = time.perf_counter()
             self._settle_inflight()
             load_trainable_state_dict(self.model, tensors)
+            if self._exact:
+                params = dict(self.model.named_parameters())
+                on_policy.recast_tied(self.model, self._compute_dtype, [params[name] for name in tensors])
             self._version = version
             self.update_pause_s = time.perf_counter() - started
 
@@ -232,12 +264,16 @@ class CpuEngine:
         retract  they leave the batch with the tokens they have and go back to the front of the
                  queue; the next step prefills prompt + those tokens with the new weights and they
                  resume. Every token keeps the version that produced it.
+
+        Under true on-policy keep retracts: a token decoded over the old weights' keys is what no
+        forward of the new weights computes, so the trainer could never match it.
         """
         batch = self._batch
-        if batch is None or self._inflight == "keep":
+        policy = "retract" if self._exact and self._inflight == "keep" else self._inflight
+        if batch is None or policy == "keep":
             return
         self._batch = None
-        if self._inflight == "abort":
+        if policy == "abort":
             for row in batch.rows:
                 row.resolve("abort")
             return
@@ -309,14 +345,10 @@ class CpuEngine:
         prompts: dict[tuple[int, ...], int] = {}
         for row in rows:
             prompts.setdefault(row.context(), len(prompts))
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
+        ids, mask = left_padded(list(prompts))
+        width = ids.shape[1]
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(
+        logits = self._forward(
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
@@ -335,7 +367,7 @@ class CpuEngine:
 
     def _decode(self, batch: _Batch) -> None:
         batch.mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
-        logits = self.model(
+        logits = self._forward(
             input_ids=batch.last[:, None],
             attention_mask=batch.mask,
             position_ids=batch.pos[:, None],
@@ -347,12 +379,25 @@ class CpuEngine:
         batch.pos = batch.pos + 1
         self._sample_and_finish(batch, logits)
 
+    def _forward(self, **inputs) -> Tensor:
+        """The model's output; under true on-policy in the trainer's compute context."""
+        if not self._exact:
+            return self.model(**inputs)
+        with on_policy.autocast(self._compute_dtype):
+            return self.model(**inputs)
+
     def _sample_and_finish(self, batch: _Batch, logits: Tensor) -> None:
         """Samples one token per row, records it, and resolves and drops the rows that are done."""
-        tokens, logprobs = self._sample(logits.float(), [row.request.sampling.temperature for row in batch.rows])
+        tokens, logp = self._sample(logits, [row.request.sampling.temperature for row in batch.rows])
         batch.last = tokens
+        logprobs = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+        if self._topk:
+            top = logp.topk(min(self._topk, logp.shape[-1]), dim=-1)
+            for row, ids, values in zip(batch.rows, top.indices.tolist(), top.values.tolist()):
+                row.topk_ids.append(tuple(ids))
+                row.topk_logprobs.append(tuple(values))
         keep = []
-        for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs.tolist()):
+        for row, token, logprob in zip(batch.rows, tokens.tolist(), logprobs):
             row.output_ids.append(token)
             row.logprobs.append(logprob)
             row.versions.append(self._version)
@@ -368,11 +413,11 @@ class CpuEngine:
         self._keep(batch, keep)
 
     def _sample(self, logits: Tensor, temperatures: list[float]) -> tuple[Tensor, Tensor]:
-        temps = torch.tensor(temperatures, dtype=logits.dtype)[:, None]
-        greedy = temps == 0
-        logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps), dim=-1)
-        tokens = torch.where(greedy, logits.argmax(-1, keepdim=True), self._inverse_cdf(logp))
-        return tokens[:, 0], logp.gather(-1, tokens)[:, 0]
+        """One token per row, and the log-probs [B, V] it was drawn from."""
+        temps = torch.tensor(temperatures, dtype=torch.float32)[:, None]
+        logp = torch.log_softmax(on_policy.scaled_logits(logits, temps), dim=-1)  # as the trainer computes it
+        tokens = torch.where(temps == 0, logits.argmax(-1, keepdim=True), self._inverse_cdf(logp))
+        return tokens[:, 0], logp
 
     def _inverse_cdf(self, logp: Tensor) -> Tensor:
         """One uniform per row against the float64 CDF.

@@ -6,7 +6,11 @@ Endpoints, with SGLang's field names:
                                   return_logprob, rid  ->  output_ids, meta_info {id, finish_reason,
                                   prompt_tokens, completion_tokens, weight_version, output_token_logprobs
                                   [[logprob, token_id, null], ...]}; milestream adds meta_info
-                                  output_token_weight_versions (the version of every token) and engine_id
+                                  output_token_weight_versions (the version of every token) and engine_id.
+                                  With max_new_tokens 0, return_logprob and logprob_start_len S >= 0 it
+                                  scores the input instead (engines/scoring.py): meta_info input_token_logprobs,
+                                  one [logprob, token_id, null] per input position from S (position 0 has
+                                  none: null), at the request's temperature
   POST /pause_generation          {"mode": "in_place"} (the default here): no step runs until continue;
                                   requests in flight stay where they are
   POST /continue_generation
@@ -35,6 +39,7 @@ from aiohttp import web
 from milestream.config import Config
 from milestream.infra.model import configure_process
 from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.scoring import ScoreRequest
 from milestream.engines.http_api import (BadRequest, bad_request_as_400, error_response, int_field, int_list,
                                            json_object, number_field, serve_app)
 from milestream.streams.weights.base import WeightVerificationError, version_of
@@ -54,11 +59,37 @@ LOGGING_ONLY_REQUEST = {"log_metrics", "no_logs", "return_text_in_logprobs"}  # 
 
 def parse_generate(body: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     """(the engine request, return_logprob) from a /generate body."""
+    rid, input_ids, return_logprob = _parse_request(body, {"rid", "input_ids", "sampling_params", "return_logprob"})
+    return GenerateRequest(rid, input_ids, parse_sampling(body.get("sampling_params") or {})), return_logprob
+
+
+def is_scoring(body: dict[str, Any]) -> bool:
+    """A /generate body that generates nothing: SGLang's way to ask for the input's log-probs."""
+    params = body.get("sampling_params")
+    return isinstance(params, dict) and params.get("max_new_tokens") == 0
+
+
+def parse_score(body: dict[str, Any]) -> tuple[str, ScoreRequest, int]:
+    """(rid, the scoring request, logprob_start_len) from a /generate body that generates nothing."""
+    rid, input_ids, return_logprob = _parse_request(
+        body, {"rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len"})
+    if not return_logprob:
+        raise BadRequest("return_logprob", "a request that generates nothing (max_new_tokens 0) asks for the "
+                         "input's log-probs: return_logprob true")
+    start = int_field(body.get("logprob_start_len", -1), "logprob_start_len", minimum=0)
+    if start >= len(input_ids):
+        raise BadRequest("logprob_start_len", f"{start}, past the {len(input_ids)} input tokens")
+    sampling = parse_sampling(body["sampling_params"], max_new_tokens_minimum=0)
+    prompt = max(start, 1)  # the first token is predicted by nothing
+    return rid, ScoreRequest(input_ids[:prompt], input_ids[prompt:], sampling.temperature), start
+
+
+def _parse_request(body: dict[str, Any], known: set[str]) -> tuple[str, tuple[int, ...], bool]:
+    """(rid, input_ids, return_logprob) of a /generate body whose other fields are ``known``."""
     if "input_ids" not in body:
         raise BadRequest("input_ids", "missing (the engine is token-in-token-out, like SGLang with "
                                       "--skip-tokenizer-init: no text)")
-    known = {"rid", "input_ids", "sampling_params", "return_logprob", *LOGGING_ONLY_REQUEST}
-    _refuse_unsupported(body, known, NEUTRAL_REQUEST, "")
+    _refuse_unsupported(body, {*known, *LOGGING_ONLY_REQUEST}, NEUTRAL_REQUEST, "")
     if body["input_ids"] and isinstance(body["input_ids"][0], list):
         raise BadRequest("input_ids", "batched prompts are not supported: send one request per prompt")
     input_ids = int_list(body["input_ids"], "input_ids")
@@ -70,17 +101,18 @@ def parse_generate(body: dict[str, Any]) -> tuple[GenerateRequest, bool]:
     return_logprob = body.get("return_logprob", False)
     if not isinstance(return_logprob, bool):
         raise BadRequest("return_logprob", f"expected true or false, got {return_logprob!r}")
-    return GenerateRequest(rid, tuple(input_ids), parse_sampling(body.get("sampling_params") or {})), return_logprob
+    return rid, tuple(input_ids), return_logprob
 
 
-def parse_sampling(params: Any) -> SamplingParams:
+def parse_sampling(params: Any, max_new_tokens_minimum: int = 1) -> SamplingParams:
     if not isinstance(params, dict):
         raise BadRequest("sampling_params", f"expected a JSON object, got {type(params).__name__}")
     known = {"max_new_tokens", "temperature", "stop_token_ids", *TEXT_ONLY_SAMPLING}
     _refuse_unsupported(params, known, NEUTRAL_SAMPLING, "sampling_params.")
+    max_new_tokens = int_field(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS),
+                               "sampling_params.max_new_tokens", minimum=max_new_tokens_minimum)
     return SamplingParams(
-        max_new_tokens=int_field(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS),
-                                 "sampling_params.max_new_tokens", minimum=1),
+        max_new_tokens=max(max_new_tokens, 1),  # 0: a scoring request, which samples nothing
         temperature=number_field(params.get("temperature", 1.0), "sampling_params.temperature", minimum=0.0),
         stop_token_ids=tuple(int_list(params.get("stop_token_ids") or [], "sampling_params.stop_token_ids")),
     )
@@ -115,6 +147,18 @@ def generate_reply(result: GenerateResult, prompt_tokens: int, return_logprob: b
     return {"output_ids": list(result.output_ids), "meta_info": meta}
 
 
+def score_reply(rid: str, request: ScoreRequest, start: int, logprobs: list[float], engine_id: str,
+                version: int) -> dict[str, Any]:
+    """SGLang's reply to a request that generates nothing: the input's log-probs from ``start``."""
+    tokens = request.prompt_ids + request.response_ids
+    scored = [None] * (start == 0) + logprobs  # position 0 has no log-prob; the prompt starts at max(start, 1)
+    meta = {"id": rid, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(tokens),
+            "completion_tokens": 0, "cached_tokens": 0, "weight_version": str(version), "engine_id": engine_id,
+            "input_token_logprobs": [[lp, tok, None] for lp, tok in zip(scored, tokens[start:])],
+            "output_token_logprobs": []}
+    return {"output_ids": [], "meta_info": meta}
+
+
 def finish_reason(result: GenerateResult) -> dict[str, Any]:
     if result.finish_reason == "stop":
         return {"type": "stop", "matched": result.output_ids[-1]}
@@ -145,13 +189,15 @@ class EngineServer:
         return app
 
     async def generate(self, request: web.Request) -> web.Response:
-        engine_request, return_logprob = parse_generate(await json_object(request))
+        body = await json_object(request)
+        if is_scoring(body):
+            return await self.score(body)
+        engine_request, return_logprob = parse_generate(body)
         self.active += 1
         try:
             result = await self.engine.generate(engine_request)
         except Exception as exc:  # noqa: BLE001 - the caller gets the engine's error as SGLang's error body
-            return error_response(HTTPStatus.INTERNAL_SERVER_ERROR,
-                                  f"engine {self.engine_id}: {type(exc).__name__}: {exc}")
+            return self._failed(exc)
         finally:
             self.active -= 1
         self.served += 1
@@ -160,6 +206,21 @@ class EngineServer:
                                   "(R3), which this HTTP API does not carry; run MoE rollouts on the in-process engine")
         return web.json_response(generate_reply(result, len(engine_request.input_ids), return_logprob,
                                                 self.engine_id, self.engine.version))
+
+    async def score(self, body: dict[str, Any]) -> web.Response:
+        rid, score_request, start = parse_score(body)
+        self.active += 1
+        try:
+            (logprobs,) = await self.engine.score([score_request])
+        except Exception as exc:  # noqa: BLE001 - as a generation's
+            return self._failed(exc)
+        finally:
+            self.active -= 1
+        self.served += 1
+        return web.json_response(score_reply(rid, score_request, start, logprobs, self.engine_id, self.engine.version))
+
+    def _failed(self, exc: Exception) -> web.Response:
+        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine {self.engine_id}: {type(exc).__name__}: {exc}")
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = (await json_object(request, optional=True)).get("mode", "in_place")

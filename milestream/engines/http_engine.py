@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import Tensor
 from milestream.config import Config, ModelConfig
 from milestream.engines.engine import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from milestream.engines.http_api import ROUTING_KEY_HEADER, reply_message, transport_failure
+from milestream.engines.scoring import ScoreRequest
 from milestream.infra.model import load_model, load_trainable_state_dict, merged_weights
 from milestream.streams.weights.disk import prune, write_full
 
@@ -84,6 +86,26 @@ def parse_generate_reply(reply: Any, request_id: str, source: str) -> GenerateRe
     return GenerateResult(request_id, tuple(output_ids), tuple(logprobs), tuple(int(v) for v in versions), finish)
 
 
+def parse_score_reply(reply: Any, response_ids: Sequence[int], source: str) -> list[float]:
+    """The response tokens' log-probs from the reply to a scoring request: the last entries of
+    meta_info.input_token_logprobs, whose token ids must be the response's (so a server that starts its
+    entries a position earlier or later than asked is read right, or refused)."""
+    meta = reply.get("meta_info") if isinstance(reply, dict) else None
+    entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    if not isinstance(entries, list) or len(entries) < len(response_ids):
+        raise EngineHttpError(f"{source}: a scoring reply without {len(response_ids)} meta_info.input_token_logprobs")
+    try:
+        tail = entries[len(entries) - len(response_ids):]
+        logprobs, ids = [float(e[0]) for e in tail], [int(e[1]) for e in tail]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise EngineHttpError(f"{source}: meta_info.input_token_logprobs is not [[logprob, token_id, ...], ...] "
+                              f"over the response: {exc}") from None
+    if ids != list(response_ids):
+        raise EngineHttpError(f"{source}: meta_info.input_token_logprobs end with tokens {ids[:8]}..., not the "
+                              "response's")
+    return logprobs
+
+
 def _integer_version(raw: Any, source: str) -> int:
     try:
         return int(raw)
@@ -133,6 +155,22 @@ class HttpEngine:
         result = parse_generate_reply(reply, request.request_id, self.url)
         self._version = max([self._version, *result.versions])
         return result
+
+    async def score(self, requests: Sequence[ScoreRequest]) -> list[list[float]]:
+        """The log-prob of every response token (engines/scoring.py): one request each that generates nothing
+        and asks for the input's log-probs; those sharing a prompt share a routing key, so a router sends them
+        to one engine."""
+        return list(await asyncio.gather(*(self._score(request) for request in requests)))
+
+    async def _score(self, request: ScoreRequest) -> list[float]:
+        if not request.response_ids:
+            return []
+        body = {"rid": uuid.uuid4().hex, "input_ids": [*request.prompt_ids, *request.response_ids],
+                "return_logprob": True, "logprob_start_len": len(request.prompt_ids),
+                "sampling_params": {"max_new_tokens": 0, "temperature": request.temperature}}
+        key = f"score-{zlib.crc32(str(request.prompt_ids).encode()):08x}"
+        reply = await self.post("/generate", body, routing_key=key)
+        return parse_score_reply(reply, request.response_ids, self.url)
 
     async def pause(self) -> None:
         await self.post("/pause_generation", {"mode": "in_place"})

@@ -336,14 +336,17 @@ def finish_evaluation(cfg: Config) -> tuple[list[EvalResult], list[EvalResult]]:
     A run that stops at ``run.max_wall_s`` ends on a version no evaluator was due to reach, or reached too
     late: the newest version on ``weights.versions`` with no result is evaluated here, by an in-process
     engine loading it from the run folder (``EngineEvaluation``; the user's evaluator in external mode),
-    and published like any other result, or as ``skipped`` with the reason."""
+    and published like any other result, or as ``skipped`` with the reason. A run that trained no step
+    ends on the initial weights: version 0 is evaluated by an engine of its own (not in external mode,
+    whose evaluator takes announced versions only)."""
     producer = RecordProducer(cfg.broker, client_id="eval-run-end")
     results = read_all(cfg, RecordConsumer(cfg.broker, topics.EVAL_RESULTS, f"{cfg.broker.topic_prefix}run-end-eval",
                                            deadletter=producer, check=functools.partial(_check_result, cfg)))
     versions = read_all(cfg, versions_reader(cfg, f"{cfg.broker.topic_prefix}run-end-eval", producer))
     producer.flush()
     newest = max(reversed(versions), key=lambda record: record.version, default=None)  # a redone step: its last record
-    if newest is None or any(result.version == newest.version for result in results):
+    ends_on = newest.version if newest else 0  # no step within the budget: the run ends on the initial weights
+    if any(result.version == ends_on for result in results) or (newest is None and cfg.eval.mode == "external"):
         return results, []
     new = asyncio.run(evaluate_once(cfg, newest))  # the stages have stopped: every core is this one's
     return results + new, new
@@ -368,20 +371,24 @@ def read_all(cfg: Config, consumer: RecordConsumer) -> list:
         consumer.close()
 
 
-async def evaluate_once(cfg: Config, record: WeightVersion) -> list[EvalResult]:
+async def evaluate_once(cfg: Config, record: WeightVersion | None) -> list[EvalResult]:
+    """Evaluates ``record``'s version, or the initial weights (version 0, never announced) when None."""
     producer = RecordProducer(cfg.broker, client_id="eval-run-end")
     feed = VersionFeed(versions_reader(cfg, f"{cfg.broker.topic_prefix}run-end-eval", producer).assign(partitions=[0]),
                        keep=False)
     evaluations: list[VersionEvaluation] = []
 
     async def evaluate() -> list[Score]:
-        build = EngineEvaluation if cfg.eval.mode == "shared" else make_evaluation
-        evaluations.append(await asyncio.to_thread(build, cfg))
-        return await evaluations[0](record)
+        build = EngineEvaluation if cfg.eval.mode == "shared" or record is None else make_evaluation
+        evaluations.append(evaluation := await asyncio.to_thread(build, cfg))
+        if record is None:
+            return await evaluation.heldout.score(evaluation.engine, 0)
+        return await evaluation(record)
 
     try:
         outcome = await guarded(evaluate(), cfg.eval.timeout_s)
-        return await publish_outcome(cfg, record.version, record.step, outcome, feed, producer)
+        version, step = (record.version, record.step) if record else (0, 0)
+        return await publish_outcome(cfg, version, step, outcome, feed, producer)
     finally:
         for evaluation in evaluations:
             await evaluation.close()

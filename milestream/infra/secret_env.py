@@ -29,3 +29,9 @@ def secret_environment(cfg: Config) -> dict[str, str]:
 def stage_environment(cfg: Config) -> dict[str, str]:
     """This process's environment with ``cfg``'s secrets: for the stage processes it starts."""
     return {**os.environ, **secret_environment(cfg)}
+
+
+def run_environment(redis_password: str) -> dict[str, str]:
+    """The environment for a ``milestream run`` child whose embedded Redis takes ``redis_password``: the caller
+    knows it and can read the run's ledger (RUN_DIR/config.yaml never holds it)."""
+    return {**os.environ, f"{ENV_PREFIX}REDIS__PASSWORD": json.dumps(redis_password)}

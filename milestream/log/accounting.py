@@ -28,11 +28,13 @@ from milestream.infra.kafka import LogAdmin, topic_name
 from milestream.log.lineage import TrainerPosition, dead_lettered
 from milestream.log.reader import BrokerSource, LogSource, SkipBadRecords
 from milestream.schemas import topics
+from milestream.streams.groups import source_topics
 from milestream.streams.ledger import BufferLedger, Reconciled
 
 log = logging.getLogger(__name__)
 
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
+# what the processor joins groups from (the teacher's topic holds records only under distill)
+SOURCES = source_topics(teacher=True)
 Row = tuple[int, int, str]  # (partition, offset, group id) of one record
 
 

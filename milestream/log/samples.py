@@ -10,9 +10,7 @@ from __future__ import annotations
 from milestream.log.reader import LogSource
 from milestream.schemas import topics
 from milestream.schemas.records import GroupManifest, GroupSample, Record
-from milestream.streams.groups import join_sample
-
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
+from milestream.streams.groups import join_sample, record_positions, source_topics
 
 
 def logged_manifests(source: LogSource) -> dict[str, list[GroupManifest]]:
@@ -30,14 +28,11 @@ def logged_samples(source: LogSource, wanted: set[str] | None = None) -> dict[st
     if not manifests:
         return {}
     records: dict[tuple[str, int, int], list[Record]] = {
-        (spec.name, m.partition, m.offset): m.records for spec in SOURCES for m in source.messages(spec)}
+        (spec.name, m.partition, m.offset): m.records for spec in source_topics(teacher=True)
+        for m in source.messages(spec)}
 
-    def at(spec: topics.TopicSpec, partition: int, offset: int, row: int) -> Record:
-        return records[(spec.name, partition, offset)][row]
+    def joined(row: GroupManifest) -> GroupSample:
+        return join_sample(row, [records[(spec.name, row.partition, offset)][index]
+                                 for spec, offset, index, _ in record_positions(row)])
 
-    return {group_id: [join_sample(r, at(topics.TRAJECTORIES, r.partition, r.trajectory_offset, r.trajectory_row),
-                                   at(topics.LOGPROBS, r.partition, r.logprobs_offset, r.logprobs_row),
-                                   [at(topics.ROUTING, r.partition, o, i)
-                                    for o, i in zip(r.routing_offsets, r.routing_rows)])
-                       for r in rows]
-            for group_id, rows in manifests.items()}
+    return {group_id: [joined(row) for row in rows] for group_id, rows in manifests.items()}

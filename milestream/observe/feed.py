@@ -3,7 +3,8 @@
 A metrics consumer is an ``Observer`` fed ``Observed`` records, one at a time, from either source:
 
 - ``TopicFeed``: the live topics, every partition from the beginning (assigned, never committing, so
-  any number of observers can come and go without touching the loop or each other);
+  any number of observers can come and go without touching the loop or each other), or from the
+  position a resuming reader committed itself (the experiment trackers, observe/track.py);
 - ``archived``: the same topics from ``RUN_DIR/archive`` (read by log/reader.py), no broker needed.
 
 A value that does not decode is logged with its topic, partition, offset and field, skipped and
@@ -12,14 +13,15 @@ processor has already dead-lettered.
 """
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator, Mapping, Protocol
 
 from milestream.config import Config
-from milestream.infra.kafka import Admin, Check, RecordConsumer, RecordProducer, topic_name
+from milestream.infra.kafka import Admin, Check, RecordConsumer, RecordProducer, end_offset, topic_name
 from milestream.log.archive import load_manifest
 from milestream.log.reader import OnBadRecord, SkipBadRecords, read_archive
 from milestream.schemas import topics
@@ -47,9 +49,13 @@ class TopicFeed:
 
     def __init__(self, cfg: Config, group_id: str, specs: Iterable[topics.TopicSpec] = FEED_TOPICS,
                  on_bad: OnBadRecord | None = None, deadletter: RecordProducer | None = None,
-                 check: Check | None = None):
+                 check: Check | None = None, start: Mapping[tuple[str, int], int] | None = None,
+                 tail: Mapping[str, int] | None = None):
         """``deadletter``, ``check``: a feed the run relies on (the run monitor) dead-letters what does not
-        decode or breaks ``check``, instead of handing it to ``on_bad``."""
+        decode or breaks ``check``, instead of handing it to ``on_bad``. ``start``: the next offset to read
+        per (topic, partition) of a reader resuming from its committed position (else the beginning).
+        ``tail``: per topic, read only about the last N records of each partition (the live page's trajectories)."""
+        start, tail = start or {}, tail or {}
         self.on_bad = on_bad or SkipBadRecords()
         if not cfg.broker.bootstrap_servers:
             raise ValueError("no broker to read from: give --bootstrap-servers, or the --run-dir of a run "
@@ -64,8 +70,12 @@ class TopicFeed:
                                    f"{cfg.broker.bootstrap_servers}: is broker.topic_prefix the run's?") from None
             # observers tolerate half a second of lag; the loop's short fetch wait would have the broker
             # answer tens of empty fetches a second per consumer, CPU the loop's own stages want
-            self.consumers.append(RecordConsumer(cfg.broker, spec, group_id, deadletter=deadletter, check=check,
-                                                 **{"fetch.wait.max.ms": "500"}).assign(partitions=partitions))
+            consumer = RecordConsumer(cfg.broker, spec, group_id, deadletter=deadletter, check=check,
+                                      **{"fetch.wait.max.ms": "500"})
+            offsets = {p: start[spec.name, p] for p in partitions if (spec.name, p) in start}
+            if spec.name in tail:
+                offsets = {p: max(0, end_offset(consumer, p) - tail[spec.name]) for p in partitions}
+            self.consumers.append(consumer.assign(offsets, partitions))
 
     def poll(self, timeout: float, limit: int = 1000) -> list[Observed]:
         """What arrived on any topic within about ``timeout`` (at most ``limit`` deliveries per topic)."""
@@ -101,13 +111,21 @@ class TopicFeed:
 
 
 def archived(run_dir: str | Path, specs: Iterable[topics.TopicSpec] = FEED_TOPICS,
-             on_bad: OnBadRecord | None = None) -> Iterator[Observed]:
-    """The archived records of ``specs``, topic by topic, each in partition and offset order."""
+             on_bad: OnBadRecord | None = None, start: Mapping[tuple[str, int], int] | None = None
+             ) -> Iterator[Observed]:
+    """The archived records of ``specs`` (from ``start``, as for ``TopicFeed``) as a live feed would have
+    delivered them: each partition in offset order, the partitions merged by broker timestamp, so an observer
+    that keeps figures across topics (drops so far at a trainer step) sees them as it would have live."""
     load_manifest(run_dir)  # a clear error when the folder holds no archive
-    on_bad = on_bad or SkipBadRecords()
+    on_bad, start = on_bad or SkipBadRecords(), start or {}
+    partitions: dict[tuple[str, int], list[tuple[int, Observed]]] = {}
     for spec in specs:
         for message in read_archive(run_dir, spec, on_bad):
-            yield from (Observed(spec, message.position, record) for record in message.records)
+            if message.offset >= start.get((spec.name, message.partition), 0):
+                partitions.setdefault((spec.name, message.partition), []).extend(
+                    (message.timestamp_ms, Observed(spec, message.position, record)) for record in message.records)
+    for _, item in heapq.merge(*partitions.values(), key=lambda timed: timed[0]):
+        yield item
 
 
 def follow(feed: TopicFeed, observers: Iterable[Observer], stop: threading.Event, poll_s: float = 0.5) -> None:

@@ -8,8 +8,8 @@ offset makes the log resumable: a writer started again on the same file (the met
 ``milestream run`` restarts with its run) repairs a torn last line and writes only the records
 after the last offset in it, so each record is in the file once.
 
-TensorBoard is not a dependency of milestream; a JSONL line per record loads into pandas
-(``pd.read_json(path, lines=True)``) or any dashboard.
+A JSONL line per record loads into pandas (``pd.read_json(path, lines=True)``) or any dashboard;
+TensorBoard, W&B and MLflow have writers of their own (observe/track.py).
 """
 from __future__ import annotations
 

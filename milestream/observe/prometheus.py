@@ -13,7 +13,8 @@ Series (all prefixed ``milestream_``; a source ``kind/id`` puts ``id`` in a labe
   ``weights_sync_seconds{engine}`` (summary: publication -> the engine's ack on ``weights.applied``).
 
 Verify mismatches are the verifier's ``verifier_weights_mismatched``. Being a plain consumer of the
-topics, the endpoint can be started, restarted or run on another machine without touching the loop.
+topics, the endpoint can be started, restarted or run on another machine without touching the loop. The
+same server serves the live run page at ``/`` (observe/page.py).
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from milestream.config import Config
-from milestream.observe.feed import Observed, TopicFeed, follow
+from milestream.observe.feed import FEED_TOPICS, Observed, TopicFeed, follow
 from milestream.observe.jsonl import JsonlWriter
+from milestream.observe.page import RunPage, page_routes, serve_http
 from milestream.observe.series import RunSeries
+from milestream.schemas import topics
 
 log = logging.getLogger(__name__)
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
@@ -110,16 +113,13 @@ def families(series: RunSeries) -> Iterable[Metric]:
 
 
 class PrometheusExporter:
-    """An observer of the feed and a Prometheus collector over what it observed, served over HTTP."""
+    """An observer of the feed and a Prometheus collector over what it observed."""
 
-    def __init__(self, port: int, addr: str = "127.0.0.1"):
+    def __init__(self) -> None:
         self.series = RunSeries()
         self.lock = threading.Lock()  # the feed's thread observes while the server's threads scrape
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        self.server, self.thread = start_http_server(port, addr=addr, registry=self.registry)
-        self.port = self.server.server_port
-        self.url = f"http://{addr}:{self.port}/metrics"
 
     def observe(self, item: Observed) -> None:
         with self.lock:
@@ -129,23 +129,32 @@ class PrometheusExporter:
         with self.lock:
             return families(self.series)
 
-    def close(self) -> None:
-        self.server.shutdown()
-
 
 def serve(cfg: Config, stop: threading.Event, port: int | None, addr: str = "127.0.0.1",
           jsonl: str | Path | None = None) -> None:
-    """The headless metrics stage until ``stop``: the Prometheus endpoint (a port), the JSONL log (a path), or both."""
-    feed = TopicFeed(cfg, f"{cfg.broker.topic_prefix}metrics-stage")
-    observers: list[PrometheusExporter | JsonlWriter] = []
+    """The headless metrics stage until ``stop``: on a port, the live run page and the Prometheus endpoint
+    (observe/page.py); the JSONL log (a path); or both."""
+    observers: list[PrometheusExporter | JsonlWriter | RunPage] = []
+    server = None
     if port is not None:
-        observers.append(PrometheusExporter(port, addr))
-        print(f"serving {observers[-1].url}", flush=True)
+        exporter, page = PrometheusExporter(), RunPage(cfg)
+        observers += [exporter, page]
+        server = serve_http(port, addr, {**page_routes(page), "/metrics": lambda: (
+            CONTENT_TYPE_LATEST, generate_latest(exporter.registry))})
+        url = f"http://{addr}:{server.server_port}"
+        print(f"serving {url}/metrics and the live page {url}/", flush=True)
     if jsonl:
         observers.append(JsonlWriter(jsonl))
+    shown = cfg.observe.page_trajectories if port is not None else 0
+    tail = {topics.TRAJECTORIES.name: shown} if shown else {}
+    feed = TopicFeed(cfg, f"{cfg.broker.topic_prefix}metrics-stage",
+                     specs=FEED_TOPICS + ((topics.TRAJECTORIES,) if tail else ()), tail=tail)
     try:
         follow(feed, observers, stop)
     finally:
         feed.close()
+        if server is not None:
+            server.shutdown()
         for observer in observers:
-            observer.close()
+            if isinstance(observer, JsonlWriter):
+                observer.close()

@@ -93,7 +93,8 @@ def replay_steps(cfg: Config, run_dir: str | Path, steps: dict[int, Metrics], fe
         absent_groups = [g for g in record.group_ids if g not in groups]
         if absent_groups:
             raise StepReplayError(f"step {record.step}: groups {absent_groups[:3]} are not on the logged buffer.groups")
-        figures = learner.train_step([CollectedGroup(g, groups[g], 0) for g in record.group_ids])
+        lags = record.group_staleness or [0] * len(record.group_ids)
+        figures = learner.train_step([CollectedGroup(g, groups[g], lag) for g, lag in zip(record.group_ids, lags)])
         if record.step >= first:
             replayed.append(StepReplay(record.step, at, {k: record.values[k] for k in COMPARED},
                                        {k: figures[k] for k in COMPARED}))

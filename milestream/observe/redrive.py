@@ -29,11 +29,10 @@ from milestream.log.samples import logged_manifests, logged_samples
 from milestream.observe.recompute import StepReplay, replay_steps
 from milestream.schemas import topics
 from milestream.schemas.records import GroupManifest
-from milestream.streams.groups import GroupAssembler, load_filter
+from milestream.streams.groups import GroupAssembler, load_filter, source_topics
 from milestream.streams.sources import MismatchError, refs_of
 
 EMITTED, PARTIAL, PENDING = "emitted", "partial", "pending"
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,10 @@ def _count(outcomes: dict[str, str]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _in_time_order(source: LogSource) -> list[LoggedMessage]:
+def _in_time_order(source: LogSource, sources: tuple[topics.TopicSpec, ...]) -> list[LoggedMessage]:
     """Versions and rollout records merged by broker timestamp; each partition stays in offset order."""
     streams = [[m for m in source.messages(spec) if m.partition == p]
-               for spec in (topics.WEIGHT_VERSIONS, *SOURCES)
+               for spec in (topics.WEIGHT_VERSIONS, *sources)
                for p in sorted({m.partition for m in source.messages(spec)})]
     # a version stamped in the same millisecond as a record counts as seen first (streams[0] wins ties)
     return list(heapq.merge(*streams, key=lambda m: m.timestamp_ms))
@@ -92,11 +91,11 @@ def logged_outcomes(source: LogSource) -> tuple[dict[str, str], dict[str, list[G
 
 
 def redrive_processor(cfg: Config, source: LogSource) -> ProcessorRedrive:
-    assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound)
+    assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound, cfg.distill.enabled)
     offline: dict[str, str] = {}
     manifests: dict[str, list[GroupManifest]] = {}
     rejected: list[str] = []
-    for message in _in_time_order(source):
+    for message in _in_time_order(source, source_topics(cfg.distill.enabled)):
         if message.topic == topics.WEIGHT_VERSIONS.name:
             assembler.latest_version = max([assembler.latest_version, *(r.version for r in message.records)])
             continue

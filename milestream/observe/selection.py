@@ -25,6 +25,8 @@ response_text          the response ids decoded, special tokens kept
 num_response_tokens    length of the per-token lists below
 response_ids           token ids; ``response_tokens``: each one decoded alone
 logprobs               behaviour log-prob of each response token (null if none was logged)
+topk_ids,              the engine's k likeliest tokens at each position and their log-probs
+topk_logprobs          (rollout.logprobs_topk; null or empty when it logged none)
 token_versions         the weight version that produced each token; ``min_version`` / ``max_version``
 loss_mask              1 where the token counts in the loss
 =====================  ====================================================================================
@@ -58,6 +60,7 @@ SAMPLE_SCHEMA = pa.schema([
     ("prompt_text", pa.string()), ("response_text", pa.string()), ("num_response_tokens", pa.int32()),
     ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32())),
     ("response_tokens", pa.list_(pa.string())), ("logprobs", pa.list_(pa.float32())),
+    ("topk_ids", pa.list_(pa.list_(pa.int32()))), ("topk_logprobs", pa.list_(pa.list_(pa.float32()))),
     ("token_versions", pa.list_(pa.int32())), ("min_version", pa.int32()), ("max_version", pa.int32()),
     ("loss_mask", pa.list_(pa.int8())),
 ])
@@ -100,7 +103,8 @@ def _sample_row(message: LoggedMessage, t: Trajectory, logprobs: LogProbs | None
         "group_partition": fate.emitted_at and fate.emitted_at[0], "group_offset": fate.emitted_at and fate.emitted_at[1],
         "prompt_text": prompt_text, "response_text": decode_text(t.response_ids),
         "num_response_tokens": len(t.response_ids), "response_tokens": [decode_text([i]) for i in t.response_ids],
-        "logprobs": None if logprobs is None else logprobs.logprobs,
+        **{name: None if logprobs is None else getattr(logprobs, name) for name in ("logprobs", "topk_ids",
+                                                                                     "topk_logprobs")},
         "min_version": min(t.token_versions, default=None), "max_version": max(t.token_versions, default=None),
     }
 

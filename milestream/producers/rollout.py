@@ -46,6 +46,9 @@ class Sample:
     turns: int = 1
     tool_calls: int = 0
     routing: RecordedRouting | None = None  # MoE engines, single turn: expert ids for routing replay (R3)
+    # rollout.logprobs_topk, single turn on an engine that records them: each token's k likeliest ids, log-probs
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
 
 
 @dataclass
@@ -179,7 +182,9 @@ async def single_turn(ctx: RolloutContext, prompt: Prompt, request_id: str,
     text = ctx.tokenizer.decode(result.output_ids, skip_special_tokens=True)
     n = len(result.output_ids)
     return Sample(input_ids, list(result.output_ids), [1] * n, list(result.logprobs), list(result.versions),
-                  result.finish_reason, text, routing=result.routing)
+                  result.finish_reason, text, routing=result.routing,
+                  topk_ids=[list(ids) for ids in result.topk_ids] or None,
+                  topk_logprobs=[list(values) for values in result.topk_logprobs] or None)
 
 
 async def agent_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) -> Sample:

@@ -18,6 +18,7 @@ publishes what is left as ``aborted``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import queue
@@ -183,6 +184,7 @@ class RolloutWorker:
         self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
         self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
+        self.version_applied = asyncio.Condition()  # notified at each version the engine takes
         self.tasks: set[asyncio.Task] = set()
         self.hook = hook or NoHook()
         self.samples_done = 0
@@ -207,6 +209,9 @@ class RolloutWorker:
             task.cancel()
         await asyncio.gather(admit, *background, *running, return_exceptions=True)
         log.info("worker %s stopped: %d groups aborted", self.worker_id, len(running))
+        self.close()
+
+    def close(self) -> None:
         self.producer.flush()
         self.prompts.close()
         self.versions.close()
@@ -242,15 +247,24 @@ class RolloutWorker:
     async def _admission(self, group_id: str) -> str:
         """Waits while there is no credit, or (run.schedule sync, one_step) while this engine is older than
         the version the trainer asks the next batch of."""
-        while (admission := self.ledger.admit(group_id, self.worker_id, self.engine.version)) in (NO_CREDIT, BEHIND):
+        while True:
+            version = self.engine.version
+            admission = self.ledger.admit(group_id, self.worker_id, version)
+            if admission not in (NO_CREDIT, BEHIND):
+                return admission
             started = time.monotonic()
-            await asyncio.sleep(0.1 if admission == NO_CREDIT else 0.02)
-            waited = time.monotonic() - started
             if admission == NO_CREDIT:
-                self.stalled_s += waited
-            else:
-                self.behind_s += waited
-        return admission
+                await asyncio.sleep(0.1)
+                self.stalled_s += time.monotonic() - started
+            else:  # only a newer version in this engine can change the answer: wait for it, not on a clock
+                await self._newer_than(version, timeout_s=1.0)
+                self.behind_s += time.monotonic() - started
+
+    async def _newer_than(self, version: int, timeout_s: float) -> None:
+        async with self.version_applied:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.version_applied.wait_for(lambda: self.engine.version > version),
+                                       timeout_s)
 
     def _prompt_done(self, position: Position) -> None:
         self.offsets.done(position.partition, position.offset)
@@ -321,26 +335,27 @@ class RolloutWorker:
     def _publish(self, group: Group, index: int, sample: Sample, reward: float | Reward) -> None:
         scored = reward if isinstance(reward, Reward) else Reward(reward)
         routing = routing_records(f"{group.group_id}/{index}", group.group_id, index, group.task.size, sample.routing)
-        self._send(group, index, sample.logprobs, routing, prompt_ids=sample.prompt_ids,
-                   response_ids=sample.response_ids, loss_mask=sample.loss_mask, token_versions=sample.versions,
-                   reward=scored.value, status=STATUS[sample.finish_reason],
+        self._send(group, index, sample.logprobs, routing, (sample.topk_ids, sample.topk_logprobs),
+                   prompt_ids=sample.prompt_ids, response_ids=sample.response_ids, loss_mask=sample.loss_mask,
+                   token_versions=sample.versions, reward=scored.value, status=STATUS[sample.finish_reason],
                    response_text=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
                    routing_chunks=len(routing), reward_error=scored.error)
 
     def _publish_unfinished(self, group: Group, published: set[int], status: str, reason: str) -> None:
         """The samples of ``group`` not published yet, as empty ``status`` records saying why."""
         for index in sorted(set(range(group.task.size)) - published):
-            self._send(group, index, [], [], prompt_ids=[], response_ids=[], loss_mask=[], token_versions=[],
-                       reward=0.0, status=status, response_text="", error=reason)
+            self._send(group, index, [], [], (None, None), prompt_ids=[], response_ids=[], loss_mask=[],
+                       token_versions=[], reward=0.0, status=status, response_text="", error=reason)
 
-    def _send(self, group: Group, index: int, logprobs: list[float], routing: list, **fields) -> None:
+    def _send(self, group: Group, index: int, logprobs: list[float], routing: list,
+              topk: tuple[list[list[int]] | None, list[list[float]] | None], **fields) -> None:
         trajectory = Trajectory(
             trajectory_id=f"{group.group_id}/{index}", group_id=group.group_id, prompt_id=group.prompt.prompt_id,
             sample_index=index, group_size=group.task.size, engine_id=self.worker_id, worker_id=self.worker_id,
             submitted_at=group.submitted_at, finished_at=time.time(), **fields)
         self.producer.send(topics.TRAJECTORIES, [trajectory], key=group.group_id)
         self.producer.send(topics.LOGPROBS, [LogProbs(trajectory.trajectory_id, group.group_id, index,
-                                                      group.task.size, logprobs)], key=group.group_id)
+                                                      group.task.size, logprobs, *topk)], key=group.group_id)
         for chunk in routing:  # a message each: chunking keeps every message under the broker's limit
             self.producer.send(topics.ROUTING, [chunk], key=group.group_id)
 
@@ -408,6 +423,8 @@ class RolloutWorker:
             return False
         weights.acknowledge(self.producer, self.worker_id, record, tensors)
         log.info("engine %s now at weight version %d", self.worker_id, record.version)
+        async with self.version_applied:
+            self.version_applied.notify_all()
         await self.hook.after_version(self.engine, record.version, record.step)
         return True
 

@@ -119,6 +119,24 @@ class LogProbs(Record):
 
 @_checked
 @dataclass(frozen=True)
+class TeacherLogProbs(Record):
+    """On-policy distillation: the teacher's log-prob of each response token of one trajectory, given the
+    prompt and the response before it (``milestream teacher``; the student's are on rollout.logprobs)."""
+
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    logprobs: list[float]
+    teacher: str  # which teacher: distill.teacher_path or teacher_url
+    SCHEMA: ClassVar = pa.schema([
+        ("trajectory_id", pa.string()), ("group_id", pa.string()), ("sample_index", pa.int32()),
+        ("group_size", pa.int32()), ("logprobs", F32_LIST), ("teacher", pa.string()),
+    ])
+
+
+@_checked
+@dataclass(frozen=True)
 class Routing(Record):
     """MoE routing replay (R3): expert ids [tokens x layers x k], narrow ints, compressed, chunked."""
 
@@ -156,9 +174,10 @@ class GroupSample(Trajectory):
     routing_layout: list[int] = field(default_factory=list)  # [tokens, layers, top_k, id_bytes]; [] when none
     routing_compression: str = ""
     routing_data: list[bytes] = field(default_factory=list)  # chunks in order
+    teacher_logprobs: list[float] = field(default_factory=list)  # on-policy distillation (distill); [] when off
     SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS + [
         ("logprobs", F32_LIST), ("routing_layout", I32_LIST), ("routing_compression", pa.string()),
-        ("routing_data", pa.list_(pa.binary())),
+        ("routing_data", pa.list_(pa.binary())), ("teacher_logprobs", F32_LIST),
     ])
 
 
@@ -195,6 +214,8 @@ class GroupManifest(Record):
     logprobs_row: int
     routing_offsets: list[int]  # on rollout.routing, its chunks in order; [] when its engine recorded none
     routing_rows: list[int]
+    teacher_offset: int = -1  # on rollout.teacher_logprobs under on-policy distillation; -1 when off
+    teacher_row: int = -1
     SCHEMA: ClassVar = pa.schema([
         ("trajectory_id", pa.string()), ("group_id", pa.string()), ("prompt_id", pa.string()),
         ("sample_index", pa.int32()), ("group_size", pa.int32()), ("reward", pa.float32()), ("status", pa.string()),
@@ -203,6 +224,7 @@ class GroupManifest(Record):
         ("min_version", pa.int32()), ("max_version", pa.int32()), ("partition", pa.int32()),
         ("trajectory_offset", pa.int64()), ("trajectory_row", pa.int32()), ("logprobs_offset", pa.int64()),
         ("logprobs_row", pa.int32()), ("routing_offsets", pa.list_(pa.int64())), ("routing_rows", I32_LIST),
+        ("teacher_offset", pa.int64()), ("teacher_row", pa.int32()),
     ])
 
 

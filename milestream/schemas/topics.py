@@ -19,6 +19,7 @@ PROMPTS = TopicSpec("prompts", r.Prompt, "prompt id")
 TRAJECTORIES = TopicSpec("rollout.trajectories", r.Trajectory, "group id")
 LOGPROBS = TopicSpec("rollout.logprobs", r.LogProbs, "group id")
 ROUTING = TopicSpec("rollout.routing", r.Routing, "group id", max_message_mb=64)
+TEACHER_LOGPROBS = TopicSpec("rollout.teacher_logprobs", r.TeacherLogProbs, "group id")
 GROUPS = TopicSpec("buffer.groups", r.GroupManifest, "group id")
 DROPPED = TopicSpec("buffer.dropped", r.Dropped, "group id")
 METRICS = TopicSpec("buffer.metrics", r.Metrics, "source", keyed_partitions=False)
@@ -28,7 +29,7 @@ EVAL_RESULTS = TopicSpec("eval.results", r.EvalResult, "none", keyed_partitions=
 DEADLETTER = TopicSpec("deadletter", r.DeadLetter, "source topic", max_message_mb=64)
 
 CATALOGUE: tuple[TopicSpec, ...] = (
-    PROMPTS, TRAJECTORIES, LOGPROBS, ROUTING, GROUPS, DROPPED, METRICS,
+    PROMPTS, TRAJECTORIES, LOGPROBS, ROUTING, TEACHER_LOGPROBS, GROUPS, DROPPED, METRICS,
     WEIGHT_VERSIONS, WEIGHTS_APPLIED, EVAL_RESULTS, DEADLETTER,
 )
 

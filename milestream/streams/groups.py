@@ -1,8 +1,9 @@
 """Group assembly and the arrival drop rules, free of any broker so they can be tested alone.
 
 The assembler joins refs (streams/sources.py: a record's small fields and where it lies), never payloads.
-A group is complete when every sample has its trajectory, its log-probs and, when its engine recorded MoE
-routing (``Trajectory.routing_chunks`` > 0), every routing chunk. Records may arrive in any order and are
+A group is complete when every sample has its trajectory, its log-probs, when its engine recorded MoE
+routing (``Trajectory.routing_chunks`` > 0) every routing chunk, and under on-policy distillation
+(``distill``) its teacher's log-probs. Records may arrive in any order and are
 de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is harmless. Every
 record of a group lies in one partition number (all are keyed by the group id), so one processor, the one
 holding that partition, assembles it.
@@ -21,9 +22,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from milestream.config import import_path
-from milestream.schemas.records import Dropped, GroupManifest, GroupSample, LogProbs, Routing, Trajectory
+from milestream.schemas import topics
+from milestream.schemas.records import (Dropped, GroupManifest, GroupSample, LogProbs, Record, Routing, TeacherLogProbs,
+                                        Trajectory)
 from milestream.schemas.routing import joined_fields
 from milestream.streams.sources import LogProbsRef, MismatchError, RoutingRef, SourceRef, TrajectoryRef
+
+
+def source_topics(teacher: bool) -> tuple[topics.TopicSpec, ...]:
+    """The topics a group is joined from; ``teacher``: on-policy distillation is on."""
+    return (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING) + ((topics.TEACHER_LOGPROBS,) if teacher else ())
+
 
 GroupFilter = Callable[[Sequence[GroupManifest]], tuple[bool, str]]
 Versioned = TrajectoryRef | GroupManifest  # what carries a sample's min_version
@@ -49,20 +58,28 @@ def staleness(samples: Sequence[Versioned], current_version: int) -> int:
 class PartialGroup:
     group_size: int
     partition: int
+    needs_teacher: bool = False
     trajectories: dict[int, TrajectoryRef] = field(default_factory=dict)
     logprobs: dict[int, LogProbsRef] = field(default_factory=dict)
+    teacher: dict[int, LogProbsRef] = field(default_factory=dict)
     routing: dict[int, dict[int, RoutingRef]] = field(default_factory=dict)  # sample -> chunk -> ref
     handles: list[Any] = field(default_factory=list)  # source messages, let go when the group leaves
     first_seen: float = field(default_factory=time.monotonic)
 
     def complete(self) -> bool:
         return (len(self.trajectories) == self.group_size and len(self.logprobs) == self.group_size
+                and (not self.needs_teacher or len(self.teacher) == self.group_size)
                 and all(len(self.routing.get(i, {})) == t.routing_chunks for i, t in self.trajectories.items()))
 
     def has(self, ref: SourceRef) -> bool:
         if isinstance(ref, RoutingRef):
             return ref.chunk_index in self.routing.get(ref.sample_index, {})
-        return ref.sample_index in (self.trajectories if isinstance(ref, TrajectoryRef) else self.logprobs)
+        return ref.sample_index in self._held(ref)
+
+    def _held(self, ref: TrajectoryRef | LogProbsRef) -> dict:
+        if isinstance(ref, TrajectoryRef):
+            return self.trajectories
+        return self.teacher if ref.teacher else self.logprobs
 
     def check(self, ref: SourceRef) -> None:
         """Raise MismatchError when the record contradicts what the group already holds."""
@@ -86,25 +103,25 @@ class PartialGroup:
                                 f"declared, {expected} by the records before")
 
     def _check_lengths(self, ref: SourceRef) -> None:
-        """A trajectory and its log-probs cover the same response tokens."""
-        if isinstance(ref, TrajectoryRef) and ref.sample_index in self.logprobs:
-            tokens, logprobs = ref.response_tokens, self.logprobs[ref.sample_index].tokens
-        elif isinstance(ref, LogProbsRef) and ref.sample_index in self.trajectories:
-            tokens, logprobs = self.trajectories[ref.sample_index].response_tokens, ref.tokens
+        """A trajectory, its log-probs and its teacher's cover the same response tokens."""
+        i = ref.sample_index
+        if isinstance(ref, TrajectoryRef):
+            pairs = [(ref.response_tokens, held[i].tokens) for held in (self.logprobs, self.teacher) if i in held]
+        elif isinstance(ref, LogProbsRef) and i in self.trajectories:
+            pairs = [(self.trajectories[i].response_tokens, ref.tokens)]
         else:
             return
-        if tokens != logprobs:
-            raise MismatchError("logprobs" if isinstance(ref, LogProbsRef) else "response_ids",
-                                f"group {ref.group_id} sample {ref.sample_index}: {logprobs} log-probs for "
-                                f"{tokens} response tokens")
+        for tokens, logprobs in pairs:
+            if tokens != logprobs:
+                raise MismatchError("logprobs" if isinstance(ref, LogProbsRef) else "response_ids",
+                                    f"group {ref.group_id} sample {i}: {logprobs} log-probs for {tokens} response "
+                                    "tokens")
 
     def put(self, ref: SourceRef) -> None:
         if isinstance(ref, RoutingRef):
             self.routing.setdefault(ref.sample_index, {})[ref.chunk_index] = ref
-        elif isinstance(ref, TrajectoryRef):
-            self.trajectories[ref.sample_index] = ref
         else:
-            self.logprobs[ref.sample_index] = ref
+            self._held(ref)[ref.sample_index] = ref
 
     def _routing_chunks(self, sample_index: int) -> int | None:
         if sample_index in self.trajectories:
@@ -117,11 +134,12 @@ class PartialGroup:
         for i in sorted(self.trajectories):
             t, lp = self.trajectories[i], self.logprobs[i]
             chunks = [self.routing[i][c] for c in sorted(self.routing.get(i, {}))]
+            teacher = self.teacher[i].at if i in self.teacher else (-1, -1, -1)
             out.append(GroupManifest(
                 t.trajectory_id, t.group_id, t.prompt_id, i, t.group_size, t.reward, t.status, t.engine_id,
                 t.worker_id, t.submitted_at, t.finished_at, t.prompt_tokens, t.response_tokens, t.min_version,
                 t.max_version, self.partition, t.at[1], t.at[2], lp.at[1], lp.at[2], [c.at[1] for c in chunks],
-                [c.at[2] for c in chunks]))
+                [c.at[2] for c in chunks], teacher[1], teacher[2]))
         return out
 
 
@@ -137,9 +155,11 @@ class Outcome:
 
 
 class GroupAssembler:
-    def __init__(self, group_filter: GroupFilter | None = None, max_staleness: int | None = None):
+    def __init__(self, group_filter: GroupFilter | None = None, max_staleness: int | None = None,
+                 needs_teacher: bool = False):
         self.group_filter = group_filter
         self.max_staleness = max_staleness
+        self.needs_teacher = needs_teacher  # on-policy distillation: a sample waits for its teacher's log-probs
         self.latest_version = 0
         self.partial: dict[str, PartialGroup] = {}
         self.finished: set[str] = set()  # group ids already emitted or dropped
@@ -161,7 +181,7 @@ class GroupAssembler:
         """
         if ref.group_id in self.finished:
             return None, False
-        group = self.partial.get(ref.group_id) or PartialGroup(ref.group_size, ref.at[0])
+        group = self.partial.get(ref.group_id) or PartialGroup(ref.group_size, ref.at[0], self.needs_teacher)
         if group.has(ref):
             return None, False
         group.check(ref)
@@ -186,7 +206,8 @@ class GroupAssembler:
             group = self.partial[gid]
             chunks = sum(len(c) for c in group.routing.values())
             detail = (f"{len(group.trajectories)}/{group.group_size} trajectories, {len(group.logprobs)} log-probs, "
-                      f"{chunks} routing chunks")
+                      f"{chunks} routing chunks" + (f", {len(group.teacher)} teacher log-probs" if group.needs_teacher
+                                                    else ""))
             outcomes.append(self._finish(gid, ("incomplete", detail)))
         return outcomes
 
@@ -231,22 +252,39 @@ def drop_record(group_id: str, samples: Sequence[Versioned], reason: str, detail
     )
 
 
-def join_sample(row: GroupManifest, trajectory: Trajectory, logprobs: LogProbs,
-                chunks: Sequence[Routing]) -> GroupSample:
-    """The sample a manifest row names, from the records at its positions; MismatchError (naming the field) when
-    they are not the records it describes."""
+def record_positions(row: GroupManifest) -> list[tuple[topics.TopicSpec, int, int, str]]:
+    """Where a manifest row's records lie: (topic, offset, row in the value, the manifest field that says so) of
+    its trajectory, its log-probs, its routing chunks in order and, under distillation, its teacher's log-probs."""
+    return [(topics.TRAJECTORIES, row.trajectory_offset, row.trajectory_row, "trajectory_offset"),
+            (topics.LOGPROBS, row.logprobs_offset, row.logprobs_row, "logprobs_offset"),
+            *((topics.ROUTING, offset, index, "routing_offsets")
+              for offset, index in zip(row.routing_offsets, row.routing_rows)),
+            *([(topics.TEACHER_LOGPROBS, row.teacher_offset, row.teacher_row, "teacher_offset")]
+              if row.teacher_offset >= 0 else [])]
+
+
+def join_sample(row: GroupManifest, records: Sequence[Record]) -> GroupSample:
+    """The sample a manifest row names, from the records at its ``record_positions`` (in that order); MismatchError
+    (naming the field) when they are not the records it describes."""
+    trajectory, logprobs, *rest = records
+    chunks, teacher = (rest[:-1], rest[-1]) if row.teacher_offset >= 0 else (rest, None)
     sample_id = row.trajectory_id
-    for record in (trajectory, logprobs, *chunks):
+    for record in records:
         if record.trajectory_id != sample_id or record.group_id != row.group_id:
             raise MismatchError("trajectory_id", f"{sample_id}: the record at its position is {record.trajectory_id}")
+    expected = (Trajectory, LogProbs, *(Routing for _ in chunks), *((TeacherLogProbs,) if teacher else ()))
+    if tuple(type(r) for r in records) != expected:
+        raise MismatchError("trajectory_offset", f"{sample_id}: records {[type(r).__name__ for r in records]}")
     versions = trajectory.token_versions
     described = (row.prompt_tokens, row.response_tokens, row.status, row.reward, len(row.routing_offsets),
                  row.min_version, row.max_version)
     found = (len(trajectory.prompt_ids), len(trajectory.response_ids), trajectory.status, trajectory.reward,
              trajectory.routing_chunks, min(versions, default=-1), max(versions, default=-1))
-    if described != found or len(logprobs.logprobs) != row.response_tokens:
+    covered = [len(lp.logprobs) for lp in (logprobs, teacher) if lp is not None]
+    if described != found or covered != [row.response_tokens] * len(covered):
         raise MismatchError("response_tokens", f"{sample_id}: the manifest says (prompt, response, status, reward, "
-                            f"routing chunks, versions) {described}, its records {found}")
+                            f"routing chunks, versions) {described}, its records {found}, log-probs {covered}")
     if [c.chunk_index for c in chunks] != list(range(len(chunks))):
         raise MismatchError("routing_offsets", f"{sample_id}: chunks {[c.chunk_index for c in chunks]} in its order")
-    return GroupSample(**trajectory.to_row(), logprobs=logprobs.logprobs, **joined_fields(list(chunks)))
+    return GroupSample(**trajectory.to_row(), logprobs=logprobs.logprobs, **joined_fields(list(chunks)),
+                       teacher_logprobs=teacher.logprobs if teacher is not None else [])

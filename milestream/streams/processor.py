@@ -49,13 +49,12 @@ from milestream.infra.offsets import HeldOffsets
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
 from milestream.schemas.records import DeadLetter, Metrics
-from milestream.streams.groups import GroupAssembler, Outcome, load_filter, oldest_version
+from milestream.streams.groups import GroupAssembler, Outcome, load_filter, oldest_version, source_topics
 from milestream.streams.ledger import EMITTED, SENDING, SETTLED, BufferLedger
 from milestream.streams.sources import MismatchError, SourceRef, read_values
 from milestream.streams.versions import check_version
 
 log = logging.getLogger(__name__)
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
 BATCH = 500  # messages taken at once; a batch costs one ledger round trip per question
 
 
@@ -100,13 +99,13 @@ def app_id(cfg: Config) -> str:
 class Processor:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.sources = {topic_name(cfg.broker, spec): spec for spec in SOURCES}
+        self.sources = {topic_name(cfg.broker, spec): spec for spec in source_topics(cfg.distill.enabled)}
         self.versions_topic = topic_name(cfg.broker, topics.WEIGHT_VERSIONS)
         self.held: dict[Partition, HeldOffsets[int]] = {}  # per owned partition; a revoked one is forgotten
-        self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound)
+        self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound, cfg.distill.enabled)
         self.ledger = BufferLedger(cfg)
         self.producer = RecordProducer(cfg.broker, client_id="processor")
-        self.consumer = SourceConsumer(cfg.broker, [*SOURCES, topics.WEIGHT_VERSIONS], app_id(cfg),
+        self.consumer = SourceConsumer(cfg.broker, [*self.sources.values(), topics.WEIGHT_VERSIONS], app_id(cfg),
                                        on_revoke=self._revoked)
         self.counts: collections.Counter[str] = collections.Counter()
         self.delivered: list[tuple[Outcome, Position | KafkaError]] = []
@@ -146,7 +145,7 @@ class Processor:
     def _take(self, messages: list[RawMessage]) -> list[Outcome]:
         """Every record of a batch of source messages admitted, or its message dead-lettered; the groups done."""
         taken = [self._held(m) for m in messages]
-        for spec in SOURCES:
+        for spec in self.sources.values():
             batch = [t for t in taken if self.sources[t.message.topic] is spec and t.error is None]
             read = read_values([(t.message.value, t.position) for t in batch], spec.record, self.cfg.rollout.group_size)
             for t, refs in zip(batch, read):

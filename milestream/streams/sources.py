@@ -1,8 +1,9 @@
 """What the processor reads of a rollout record, and the rules each record keeps on its own.
 
-A rollout value (rollout.trajectories, rollout.logprobs, rollout.routing) is checked as an Arrow table,
-column by column in bulk (numpy over the flattened lists), and only its small fields become Python
-objects: a ``TrajectoryRef``, ``LogProbsRef`` or ``RoutingRef`` per record, with where the record lies.
+A rollout value (rollout.trajectories, rollout.logprobs, rollout.routing, and under on-policy distillation
+rollout.teacher_logprobs) is checked as an Arrow table, column by column in bulk (numpy over the flattened
+lists), and only its small fields become Python objects: a ``TrajectoryRef``, ``LogProbsRef`` (the
+teacher's too) or ``RoutingRef`` per record, with where the record lies.
 Token lists, log-probs and routing bytes are never built into rows here; the trainer reads them from
 the same place later (train/collector.py) and checks them again with the same function before it
 builds its samples.
@@ -16,6 +17,7 @@ frame that declares no more bytes than its layout holds (a bomb is refused unrea
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import pyarrow as pa
 import zstandard
 
 from milestream.schemas.codec import Position, RecordError, check_nulls, decode_table
-from milestream.schemas.records import LogProbs, Record, Routing, Trajectory
+from milestream.schemas.records import LogProbs, Record, Routing, TeacherLogProbs, Trajectory
 from milestream.schemas.routing import COMPRESSION, PLAIN_COMPRESSION
 
 At = tuple[int, int, int]  # (partition, offset, row in the value)
@@ -71,6 +73,7 @@ class LogProbsRef:
     group_size: int
     tokens: int
     at: At
+    teacher: bool = False  # a TeacherLogProbs record (on-policy distillation), not the rollout engine's
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,15 +220,16 @@ def _check_trajectory_row(status: str, routing_chunks: int, tokens: int, times: 
         raise MismatchError("routing_chunks", f"{routing_chunks} routing chunks for {tokens} tokens")
 
 
-def _logprobs(table: pa.Table, ids: dict[str, list], ats: Sequence[At]) -> list[SourceRef]:
+def _logprobs(table: pa.Table, ids: dict[str, list], ats: Sequence[At], teacher: bool = False) -> list[SourceRef]:
     logprobs = _Lists.of(table.column("logprobs"))
     if not np.all(logprobs.values <= 0.0):  # NaN compares false
-        raise MismatchError("logprobs", "a NaN or positive log-prob")
-    topk_ids, topk_logprobs = table.column("topk_ids"), table.column("topk_logprobs")
-    if topk_ids.null_count != table.num_rows or topk_logprobs.null_count != table.num_rows:
-        _check_topk(topk_ids.to_pylist(), topk_logprobs.to_pylist(), logprobs.lengths.tolist())
+        raise MismatchError("logprobs", f"a NaN or positive {'teacher ' if teacher else ''}log-prob")
+    if not teacher:
+        topk_ids, topk_logprobs = table.column("topk_ids"), table.column("topk_logprobs")
+        if topk_ids.null_count != table.num_rows or topk_logprobs.null_count != table.num_rows:
+            _check_topk(topk_ids.to_pylist(), topk_logprobs.to_pylist(), logprobs.lengths.tolist())
     return [LogProbsRef(ids["trajectory_id"][i], ids["group_id"][i], ids["sample_index"][i], ids["group_size"][i],
-                        int(logprobs.lengths[i]), ats[i])
+                        int(logprobs.lengths[i]), ats[i], teacher)
             for i in range(table.num_rows)]
 
 
@@ -273,7 +277,7 @@ def check_routing_chunk(row: dict, data: pa.Buffer | bytes) -> None:
 
 
 _READERS: dict[type[Record], Callable[[pa.Table, dict[str, list], Sequence[At]], list[SourceRef]]] = {
-    Trajectory: _trajectories, LogProbs: _logprobs, Routing: _routing,
+    Trajectory: _trajectories, LogProbs: _logprobs, Routing: _routing, TeacherLogProbs: functools.partial(_logprobs, teacher=True),
 }
 
 

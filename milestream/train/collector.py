@@ -33,8 +33,9 @@ from milestream.infra.model import model_config
 from milestream.infra.offsets import HeldOffsets
 from milestream.schemas import routing, topics
 from milestream.schemas.codec import Position, RecordError, decode_values
-from milestream.schemas.records import GroupManifest, GroupSample, LogProbs, Record, Routing, Trajectory
-from milestream.streams.groups import MismatchError, drop_record, join_sample, oldest_version, staleness
+from milestream.schemas.records import GroupManifest, GroupSample, Record, Trajectory
+from milestream.streams.groups import (MismatchError, drop_record, join_sample, oldest_version, record_positions,
+                                       source_topics, staleness)
 from milestream.streams.ledger import BufferLedger
 
 READ_BATCH = 512  # manifests read before the ledger is asked, once, which of them the processor sent
@@ -80,8 +81,7 @@ class GroupCollector:
         self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
                                        deadletter=producer).assign(offsets, partitions)
         self.reader = PositionReader(cfg.broker, f"{cfg.broker.topic_prefix}trainer-records")
-        self.topic = {spec: topic_name(cfg.broker, spec) for spec in (topics.TRAJECTORIES, topics.LOGPROBS,
-                                                                       topics.ROUTING)}
+        self.topic = {spec: topic_name(cfg.broker, spec) for spec in source_topics(cfg.distill.enabled)}
         self.held = HeldOffsets(resumed=offsets)
         self.pool: dict[str, PooledGroup] = {}
         self.arrivals = 0
@@ -110,17 +110,17 @@ class GroupCollector:
             return taken
         return None
 
-    def pool_figures(self, version: int) -> dict[str, float]:
+    def take_pool_figures(self, version: int) -> dict[str, float]:
         """Groups read but not yet taken, their staleness at ``version``, the stale drops so far, and the
         staleness of every group collected (trained or dropped stale) since the last call."""
         lags = [staleness(g.manifest, version) for g in self.pool.values()]
         collected, self.collected_lags = self.collected_lags, []
         return {"pool_groups": float(len(lags)), "pool_staleness_mean": sum(lags) / len(lags) if lags else 0.0,
-                "pool_staleness_max": float(max(lags, default=0)), "dropped_stale_total": float(self.dropped_stale),
+                "pool_staleness_max": float(max(lags, default=0)), "stale_dropped_total": float(self.dropped_stale),
                 "collected_staleness_mean": sum(collected) / len(collected) if collected else 0.0,
                 "collected_staleness_max": float(max(collected, default=0))}
 
-    def drop_figures(self) -> dict[str, float]:
+    def take_drop_figures(self) -> dict[str, float]:
         """``dropped_<reason>``: the groups dropped since the last call, by the processor (its run totals in
         the ledger) and here (stale)."""
         totals = self._drop_totals()
@@ -151,7 +151,8 @@ class GroupCollector:
                 continue
             group = PooledGroup(group_id, rows, position, self.arrivals, delivery.value)
             try:
-                check_manifest(rows, self.cfg.rollout.group_size, self.context, self.partitions)
+                check_manifest(rows, self.cfg.rollout.group_size, self.context, self.partitions,
+                               self.cfg.distill.enabled)
                 if group_id not in sent:
                     raise MismatchError("group_id", f"the processor never sent group {group_id!r}")
             except MismatchError as exc:
@@ -197,7 +198,7 @@ class GroupCollector:
         out = []
         for group in chosen:
             try:
-                samples = [join_sample(row, *records.of(row)) for row in group.manifest]
+                samples = [join_sample(row, records.of(row)) for row in group.manifest]
                 check_group(samples, self.cfg.rollout.group_size, self.vocab_size, self.context)
             except MismatchError as exc:
                 self._refuse(group, exc, sent=True)
@@ -218,29 +219,28 @@ class Records:
     checked here is that each record is the one its manifest describes (``join_sample``), and then the
     trainer's own limits on the joined group (``check_group``)."""
 
-    SPECS = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
-
     def __init__(self, reader: PositionReader, topic: dict[topics.TopicSpec, str], rows: list[GroupManifest]):
         self.topic = topic
-        messages = reader.read({at for row in rows for at in self.positions(row)})
+        messages = reader.read({at for row in rows for at, _, _ in self.positions(row)})
         self.decoded: dict[tuple[str, int, int], list[Record] | RecordError] = {}
-        for spec in self.SPECS:
-            ats = sorted(at for at in messages if at[0] == topic[spec])
+        for spec, name in topic.items():
+            ats = sorted(at for at in messages if at[0] == name)
             values = [(messages[at].value, Position(*at)) for at in ats]
             self.decoded.update(zip(ats, decode_values(values, spec.record)))
 
-    def positions(self, row: GroupManifest) -> list[tuple[str, int, int]]:
-        """(full topic, partition, offset) of a row's trajectory, log-probs and routing chunks."""
-        return [(self.topic[topics.TRAJECTORIES], row.partition, row.trajectory_offset),
-                (self.topic[topics.LOGPROBS], row.partition, row.logprobs_offset),
-                *((self.topic[topics.ROUTING], row.partition, offset) for offset in row.routing_offsets)]
+    def positions(self, row: GroupManifest) -> list[tuple[tuple[str, int, int], int, str]]:
+        """((full topic, partition, offset), row in the value, the manifest's field) of each of a row's records;
+        MismatchError for a record on a topic this run does not read (a teacher's, distillation off)."""
+        out = []
+        for spec, offset, index, field_name in record_positions(row):
+            if spec not in self.topic:
+                raise MismatchError(field_name, f"a record on {spec.name}, which this run does not read")
+            out.append(((self.topic[spec], row.partition, offset), index, field_name))
+        return out
 
-    def of(self, row: GroupManifest) -> tuple[Trajectory, LogProbs, list[Routing]]:
+    def of(self, row: GroupManifest) -> list[Record]:
         """The records at a row's positions; MismatchError naming the field when one is missing or does not decode."""
-        at = self.positions(row)
-        return (self._record(at[0], row.trajectory_row, "trajectory_offset"),
-                self._record(at[1], row.logprobs_row, "logprobs_offset"),
-                [self._record(where, index, "routing_offsets") for where, index in zip(at[2:], row.routing_rows)])
+        return [self._record(at, index, field_name) for at, index, field_name in self.positions(row)]
 
     def _record(self, at: tuple[str, int, int], index: int, field_name: str) -> Record:
         records = self.decoded.get(at)
@@ -252,9 +252,10 @@ class Records:
             raise MismatchError(field_name, f"no record {index} in the value at {at[0]}[{at[1]}]@{at[2]}")
         return records[index]
 
-
-def check_manifest(rows: list[GroupManifest], group_size: int, context: int, partitions: int) -> None:
-    """Raise MismatchError naming the field of a manifest no training step can take (``context``: the model's)."""
+def check_manifest(rows: list[GroupManifest], group_size: int, context: int, partitions: int,
+                   needs_teacher: bool = False) -> None:
+    """Raise MismatchError naming the field of a manifest no training step can take (``context``: the model's;
+    ``needs_teacher``: on-policy distillation is on)."""
     indices = sorted(row.sample_index for row in rows)
     if indices != list(range(group_size)):
         raise MismatchError("sample_index", f"samples {indices} of a group of {group_size}")
@@ -271,8 +272,13 @@ def check_manifest(rows: list[GroupManifest], group_size: int, context: int, par
         if not -1 <= row.min_version <= row.max_version or (row.min_version < 0) != (row.response_tokens == 0):
             raise MismatchError("min_version", f"versions {row.min_version}..{row.max_version} of "
                                 f"{row.response_tokens} tokens")
+        if (row.teacher_offset >= 0) != needs_teacher:
+            raise MismatchError("teacher_offset", f"sample {row.sample_index}: teacher log-probs at "
+                                f"{row.teacher_offset}; distill is {'on' if needs_teacher else 'off'}")
         offsets = [row.trajectory_offset, row.logprobs_offset, *row.routing_offsets]
         rows_at = [row.trajectory_row, row.logprobs_row, *row.routing_rows]
+        if needs_teacher:
+            offsets, rows_at = offsets + [row.teacher_offset], rows_at + [row.teacher_row]
         if not 0 <= row.partition < partitions or min(offsets + rows_at) < 0 or len(rows_at) != len(offsets):
             raise MismatchError("partition", f"records at partition {row.partition}, offsets {offsets}, rows {rows_at}")
 

@@ -12,6 +12,10 @@ off the mask) and, where the estimator has them, returns [B, T]:
   reinforce_plus_plus_baseline  r_i - mean_g r on every token (minus the KL penalty), whitened
   ppo                           GAE(gamma, lambda) on a learned value function V [B, T]
 
+``token_rewards`` [B, T] (on-policy distillation's distill.mode reward: train/distill.py) add to those:
+to the token rewards of reinforce_plus_plus and ppo, to every token of reinforce_plus_plus_baseline
+(as its KL penalty), and summed over the response to the sample's reward for grpo and gspo.
+
 Whitening is over the masked tokens of the whole batch, so these run once per training batch.
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ class AdvantageInputs:
     old_logp: Tensor | None = None  # [B, T] the sampling policy, for the KL penalty
     ref_logp: Tensor | None = None  # [B, T] the reference policy, for the KL penalty
     values: Tensor | None = None  # [B, T] V(s_t) of the value head, for ppo
+    token_rewards: Tensor | None = None  # [B, T] rewards of single tokens, beside each sample's (zero off the mask)
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,18 @@ def kl_penalty(inputs: AdvantageInputs, kl_coef: float) -> Tensor:
     return kl_coef * (inputs.old_logp - inputs.ref_logp) * inputs.mask
 
 
+def extra_token_rewards(inputs: AdvantageInputs) -> Tensor:
+    """[B, T] ``inputs.token_rewards``, zero off the mask (and everywhere when there are none)."""
+    if inputs.token_rewards is None:
+        return torch.zeros_like(inputs.mask)
+    return inputs.token_rewards * inputs.mask
+
+
+def token_level_rewards(inputs: AdvantageInputs, kl_coef: float) -> Tensor:
+    """[B, T]: the sample's reward on its last token, the token rewards, minus the KL penalty."""
+    return reward_at_last_token(inputs.rewards, inputs.mask) + extra_token_rewards(inputs) - kl_penalty(inputs, kl_coef)
+
+
 def discounted_sum(values: Tensor, mask: Tensor, discount: float) -> Tensor:
     """G_t = x_t + discount * G_next over the masked tokens, right to left, zero off the mask.
 
@@ -123,36 +140,36 @@ def next_on_mask(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def grpo(inputs: AdvantageInputs, options: AdvantageOptions) -> Advantages:
+    rewards = inputs.rewards + extra_token_rewards(inputs).sum(-1)
     if not options.group_normalize:
-        return Advantages(inputs.rewards.view(-1, 1) * inputs.mask, None)
-    per_sample = group_normalized(inputs.rewards, inputs.groups, options.group_std_normalize)
+        return Advantages(rewards.view(-1, 1) * inputs.mask, None)
+    per_sample = group_normalized(rewards, inputs.groups, options.group_std_normalize)
     return Advantages(per_sample.view(-1, 1) * inputs.mask, None)
 
 
 def reinforce_plus_plus(inputs: AdvantageInputs, options: AdvantageOptions) -> Advantages:
-    """A = whiten(G), G_t = r_t + gamma G_{t+1}, r_t = R [t last] - kl_coef (log pi_old - log pi_ref)_t."""
-    token_rewards = reward_at_last_token(inputs.rewards, inputs.mask) - kl_penalty(inputs, options.kl_coef)
-    returns = discounted_sum(token_rewards, inputs.mask, options.gamma)
+    """A = whiten(G), G_t = r_t + gamma G_{t+1},
+    r_t = R [t last] + token reward_t - kl_coef (log pi_old - log pi_ref)_t."""
+    returns = discounted_sum(token_level_rewards(inputs, options.kl_coef), inputs.mask, options.gamma)
     return Advantages(masked_whiten(returns, inputs.mask), returns)
 
 
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, options: AdvantageOptions) -> Advantages:
-    """A = whiten(r_i - mean_g r - kl_coef (log pi_old - log pi_ref)_t)."""
+    """A = whiten(r_i - mean_g r + token reward_t - kl_coef (log pi_old - log pi_ref)_t)."""
     baseline = group_normalized(inputs.rewards, inputs.groups, std_normalize=False)
-    advantages = baseline.view(-1, 1) * inputs.mask - kl_penalty(inputs, options.kl_coef)
+    advantages = baseline.view(-1, 1) * inputs.mask + extra_token_rewards(inputs) - kl_penalty(inputs, options.kl_coef)
     return Advantages(masked_whiten(advantages, inputs.mask), None)
 
 
 def ppo_gae(inputs: AdvantageInputs, options: AdvantageOptions) -> Advantages:
     """GAE: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}, returns = A + V.
 
-    r_t is the reward on the last token minus the KL penalty; V after the last token is 0.
+    r_t is the reward on the last token plus the token reward minus the KL penalty; V after the last token is 0.
     """
     if inputs.values is None:
         raise ValueError("the ppo estimator needs values [B, T] from a value head")
     mask, values = inputs.mask, inputs.values.detach() * inputs.mask
-    token_rewards = reward_at_last_token(inputs.rewards, mask) - kl_penalty(inputs, options.kl_coef)
-    deltas = token_rewards + options.gamma * next_on_mask(values, mask) - values
+    deltas = token_level_rewards(inputs, options.kl_coef) + options.gamma * next_on_mask(values, mask) - values
     advantages = discounted_sum(deltas, mask, options.gamma * options.lam)
     return Advantages(advantages, (advantages + values) * mask)
 

@@ -1,7 +1,8 @@
 """One training step on a batch of groups, whatever the backend: the trainer's arithmetic, free of Kafka.
 
     advantages  trainer.advantage_estimator over the whole batch (train/estimators.py); ppo's
-                GAE reads the value head's V before the first update (a forward without gradient)
+                GAE reads the value head's V before the first update (a forward without gradient);
+                with distill, the teacher's reverse KL joins them (train/distill.py)
     updates     trainer.updates_per_batch optimizer steps, each on a minibatch of whole groups in
                 order, against pi_old = the policy before the first (a forward without gradient when
                 there is more than one; with one, pi detached)
@@ -23,8 +24,10 @@ import torch
 from milestream.config import Config
 from milestream.train.backends import StepResult, TrainBackend, make_backend
 from milestream.train.backends.base import LossFn, share
+from milestream.train.distill import Distillation, distill_figures
 from milestream.train.estimators import AdvantageInputs, advantage_options, compute_advantages
 from milestream.train.logprobs import pad
+from milestream.train.mismatch_breakdown import MismatchBreakdown
 from milestream.train.losses import Denominators, LossInput, make_loss, reduce_loss, step_figures
 from milestream.train.routing_replay import recorded_routing
 from milestream.schemas.records import GroupSample
@@ -59,6 +62,7 @@ class Learner:
         self.with_values = trainer.advantage_estimator == "ppo"
         self.with_entropy = bool(trainer.entropy_coef)
         self.with_reference = bool(trainer.kl_coef or trainer.kl_loss_coef)
+        self.distill = Distillation(cfg.distill, trainer.log_ratio_clamp) if cfg.distill.enabled else None
         for needed, method, why in ((self.with_values, "policy_forward", "ppo's value head"),
                                     (self.with_entropy, "policy_forward", "trainer.entropy_coef's entropy"),
                                     (self.with_reference, "reference_logprobs", "the reference policy of "
@@ -76,11 +80,12 @@ class Learner:
         if updates > 1:
             microbatches = self._with_old_logprobs(microbatches)
         per_group = [len(by_prompt(g.samples)) for g in batch]
-        results = [self.backend.step(part, self._loss_fn(part), trainer.max_grad_norm)
+        breakdown = MismatchBreakdown.of([(g.samples, g.staleness) for g in batch], trainer.log_ratio_clamp)
+        results = [self.backend.step(part, self._loss_fn(part, breakdown), trainer.max_grad_norm)
                    for part in minibatches(microbatches, per_group, updates)]
-        return self._figures(batch, results)
+        return self._figures(batch, results, breakdown)
 
-    def _loss_fn(self, minibatch: Sequence[PromptRows]) -> LossFn:
+    def _loss_fn(self, minibatch: Sequence[PromptRows], breakdown: MismatchBreakdown) -> LossFn:
         """Each microbatch's share of the loss of ``minibatch``, a mean over its tokens or samples."""
         samples = [s for rows in minibatch for s in rows.samples]
         denominators = Denominators(tokens=sum(sum(s.loss_mask) for s in samples), samples=len(samples),
@@ -100,28 +105,42 @@ class Learner:
                                       returns=returns, values=values, old_values=old_values, ref_logp=ref_logp,
                                       entropy=entropy))
             loss = reduce_loss(out, mask, self.cfg.trainer.loss_reduction, denominators)
-            return loss, {**out.figures, "tokens": float(out.tokens)}
+            figures = {**out.figures, "tokens": float(out.tokens)}
+            if "logprob_diff" in figures:  # the loss measures the rollout mismatch: so does its breakdown
+                figures.update(breakdown.sums(old_logp, rollout_logp, mask, rows.samples))
+            return loss, figures
         return loss_fn
 
-    def _figures(self, batch: Sequence[CollectedGroup], results: Sequence[StepResult]) -> dict[str, float]:
+    def _figures(self, batch: Sequence[CollectedGroup], results: Sequence[StepResult],
+                 breakdown: MismatchBreakdown) -> dict[str, float]:
         """loss and grad_norm of the last update (a mean over its minibatch), updates, update_skipped
         (how many were), the batch's rewards and lengths; the loss's figures (ppo_clip_frac, the
         rollout mismatch, value_loss, ...) are their sums over every update divided by the batch's
-        tokens: each token counts once, as its update saw it."""
+        tokens: each token counts once, as its update saw it; the mismatch's breakdown
+        (train/mismatch_breakdown.py)."""
         samples = [s for g in batch for s in g.samples]
         figures = dict(results[0].figures)
         for result in results[1:]:
             for name, value in result.figures.items():
                 figures[name] += value
         tokens = max(figures.pop("tokens"), 1.0)
+        mismatch = breakdown.figures(figures)
         rewards = [s.reward for s in samples]
         return {
             "loss": results[-1].loss, "grad_norm": results[-1].grad_norm,
             "update_skipped": float(sum(r.update_skipped for r in results)), "updates": float(len(results)),
             "reward_mean": sum(rewards) / len(rewards),
             **step_figures(figures, tokens, len(samples)),  # the loss's figures, per token (or sample)
+            **mismatch, **self._distill_figures(samples),
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
         }
+
+    def _distill_figures(self, samples: Sequence[GroupSample]) -> dict[str, float]:
+        """How far the batch's rollout policy is from the teacher on its trained tokens (train/distill.py)."""
+        if self.distill is None:
+            return {}
+        mask = pad([s.loss_mask for s in samples])
+        return distill_figures(self.distill.reverse_kl(samples, mask), mask)
 
     def _with_old_logprobs(self, microbatches: Sequence[PromptRows]) -> list[PromptRows]:
         """The microbatches with log pi_old, the policy before the first update: the same forward as
@@ -149,20 +168,23 @@ class Learner:
         samples = [s for _, rows in parts for s in rows]
         group_of = {id(s): i for i, g in enumerate(batch) for s in g.samples}
         reference = self._reference_logprobs(parts) if self.with_reference else None
+        mask = pad([s.loss_mask for s in samples])
         inputs = AdvantageInputs(torch.tensor([s.reward for s in samples]),
-                                 torch.tensor([group_of[id(s)] for s in samples]),
-                                 pad([s.loss_mask for s in samples]),
+                                 torch.tensor([group_of[id(s)] for s in samples]), mask,
                                  # the KL penalty compares the policy that sampled with the reference
                                  old_logp=pad([s.logprobs for s in samples]) if self.with_reference else None,
                                  ref_logp=reference,
                                  values=self._values_before_step(parts) if self.with_values else None)
+        distilled = self.distill.reverse_kl(samples, mask) if self.distill else None
+        if distilled is not None:
+            inputs = self.distill.estimator_inputs(inputs, distilled)
         result = compute_advantages(self.cfg.trainer.advantage_estimator, inputs, advantage_options(self.cfg.trainer))
+        advantages = result.advantages if distilled is None else self.distill.advantages(result.advantages, distilled)
         sizes = [len(rows) for _, rows in parts]
         split = lambda t: t.split(sizes) if t is not None else [None] * len(parts)  # noqa: E731
         return [PromptRows(prompt_ids, rows, advantages, returns, old_values, ref_logp)
                 for (prompt_ids, rows), advantages, returns, old_values, ref_logp
-                in zip(parts, result.advantages.split(sizes), split(result.returns), split(inputs.values),
-                       split(reference))]
+                in zip(parts, advantages.split(sizes), split(result.returns), split(inputs.values), split(reference))]
 
     def _reference_logprobs(self, parts: list[tuple[list[int], list[GroupSample]]]) -> torch.Tensor:
         rows = [r for prompt_ids, samples in parts

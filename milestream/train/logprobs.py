@@ -12,6 +12,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor, nn
 
+from milestream.infra.on_policy import scaled_logits
 from milestream.train.tensor_ops import token_logprobs, token_logprobs_and_entropy
 
 
@@ -22,11 +23,9 @@ class Forward(NamedTuple):
 
 
 def pad(rows: Sequence[Sequence[float]], value: float = 0.0, dtype=torch.float32) -> Tensor:
-    """Right-padded [len(rows), longest] tensor."""
-    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=dtype)
-    return out
+    """Right-padded [len(rows), longest] tensor (made at once: a tensor per row costs ~10x more)."""
+    longest = max(len(r) for r in rows)
+    return torch.tensor([[*row, *[value] * (longest - len(row))] for row in rows], dtype=dtype)
 
 
 def shared_prompt_logprobs(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
@@ -40,6 +39,25 @@ def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses
     """The log-probs, with ``hidden`` the last hidden state [G, T, H] that predicted each response
     token (what a value head reads: the state before the token was chosen), with ``entropy`` the
     entropy of the tempered distribution at each response position."""
+    tokens, logits, states = _scaled_logits(model, prompt_ids, responses, temperature, hidden)
+    if entropy:
+        logp, entropies = token_logprobs_and_entropy(logits, tokens)
+        return Forward(logp, states, entropies)
+    return Forward(token_logprobs(logits, tokens), states, None)
+
+
+def shared_prompt_distributions(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                                temperature: float = 1.0) -> Tensor:
+    """[G, T, V] the log-probs of the whole vocabulary at each response position: the distribution each
+    token was drawn from, of which ``shared_prompt_forward``'s log-prob is the sampled token's, bit for bit."""
+    _, logits, _ = _scaled_logits(model, prompt_ids, responses, temperature, hidden=False)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _scaled_logits(model: nn.Module, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                   temperature: float, hidden: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(the responses right-padded [G, T], the tempered logits that predicted each token [G, T, V],
+    the last hidden states [G, T, H] with ``hidden``)."""
     prompt = torch.tensor([list(prompt_ids)])
     first = model(input_ids=prompt, use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
     group = len(responses)
@@ -56,9 +74,5 @@ def shared_prompt_forward(model: nn.Module, prompt_ids: Sequence[int], responses
         logits = torch.cat([logits, rest.logits], dim=1)
         if hidden:
             states = torch.cat([states, rest.hidden_states[-1]], dim=1)
-    logits = logits / max(temperature, 1e-6)
-    if entropy:
-        logp, entropies = token_logprobs_and_entropy(logits, tokens)
-        return Forward(logp, states, entropies)
-    return Forward(token_logprobs(logits, tokens), states, None)
+    return tokens, scaled_logits(logits, temperature), states  # the rollout engine's step before its log_softmax
 

@@ -121,7 +121,7 @@ class Trainer:
         values = {**figures, "version": float(self.state.version),
                   **self.collector.ledger.figures(self.state.version),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
-                  **self.collector.pool_figures(self.state.version), **self.collector.drop_figures()}
+                  **self.collector.take_pool_figures(self.state.version), **self.collector.take_drop_figures()}
         record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)
         self.producer.send(topics.METRICS, [record], key="trainer")
         self.producer.flush()

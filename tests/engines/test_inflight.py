@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from holds import Holds
+from holds import Holds, update_mid_generation
 from test_engine import reference_logprobs, request
 
 from milestream.config import ModelConfig
@@ -23,27 +23,13 @@ LONG = 24
 AT_STEP = 3  # the update lands between the engine's 3rd and 4th steps: every request then holds 3 tokens
 
 
+def long_requests() -> list:
+    return [request(rid, prompt, LONG, temperature=1.0) for rid, prompt in PROMPTS.items()]
+
+
 def new_weights(engine: CpuEngine) -> dict[str, torch.Tensor]:
     torch.manual_seed(7)
     return {name: t + 0.5 * torch.randn(t.shape) for name, t in trainable_state_dict(engine.model).items()}
-
-
-def update_mid_generation(engine: CpuEngine, update: dict[str, torch.Tensor], holds: Holds) -> list[GenerateResult]:
-    """The requests join one step; the engine is held after its AT_STEP-th step while version 1 lands."""
-
-    async def run() -> list[GenerateResult]:
-        await engine.pause()  # queued while paused: all of them join the first step
-        long = [asyncio.create_task(engine.generate(request(rid, prompt, LONG, temperature=1.0)))
-                for rid, prompt in PROMPTS.items()]
-        await asyncio.sleep(0)  # each task runs to its first await: its request is queued
-        holds.arm("engine.stepped", at_pass=AT_STEP)
-        await engine.resume()
-        held_by = await asyncio.to_thread(holds.wait_held, "engine.stepped", 120)
-        await engine.update_weights(1, update)
-        holds.release("engine.stepped", held_by)
-        return list(await asyncio.gather(*long))
-
-    return asyncio.run(run())
 
 
 def split(result: GenerateResult) -> int:
@@ -56,7 +42,7 @@ def split(result: GenerateResult) -> int:
 
 def test_abort_ends_requests_in_flight_as_aborted(make_engine: MakeEngine, holds: Holds) -> None:
     engine = make_engine(inflight="abort")
-    results = update_mid_generation(engine, new_weights(engine), holds)
+    results = update_mid_generation(engine, long_requests(), new_weights(engine), holds, AT_STEP)
     for result in results:
         assert result.finish_reason == "abort" and STATUS[result.finish_reason] == "aborted"
         assert len(result.output_ids) == AT_STEP
@@ -67,7 +53,7 @@ def test_abort_ends_requests_in_flight_as_aborted(make_engine: MakeEngine, holds
 
 def test_keep_continues_in_place_with_mixed_versions(make_engine: MakeEngine, holds: Holds) -> None:
     engine = make_engine(inflight="keep")
-    results = update_mid_generation(engine, new_weights(engine), holds)
+    results = update_mid_generation(engine, long_requests(), new_weights(engine), holds, AT_STEP)
     stale = 0
     for rid, result in zip(PROMPTS, results):
         assert result.finish_reason == "length" and len(result.output_ids) == LONG
@@ -83,7 +69,7 @@ def test_retract_resumes_on_the_new_weights_with_versions_split_at_the_update(
         make_engine: MakeEngine, tiny_cfg: ModelConfig, holds: Holds) -> None:
     engine = make_engine(inflight="retract")
     old = SimpleNamespace(model=load_model(tiny_cfg, dtype=torch.float32))  # the engine's version-0 weights
-    results = update_mid_generation(engine, new_weights(engine), holds)
+    results = update_mid_generation(engine, long_requests(), new_weights(engine), holds, AT_STEP)
     for rid, result in zip(PROMPTS, results):
         assert result.finish_reason == "length" and len(result.output_ids) == LONG
         switch = split(result)

@@ -14,11 +14,13 @@ from milestream.config import Config, load_config
 from milestream.infra.kafka import (Admin, KafkaException, PositionReader, RecordConsumer, RecordProducer,
                                     SourceConsumer, client_config)
 from milestream.schemas import topics
-from milestream.streams.processor import SOURCES, app_id
+from milestream.streams.groups import source_topics
+from milestream.streams.processor import app_id
 
 SASL_SSL = {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "trainer",
             "sasl.password": "s3cret", "ssl.ca.location": certifi.where()}
 PACKAGE = Path(__file__).resolve().parents[2] / "milestream"
+SOURCES = source_topics(teacher=False)
 
 
 def cluster_config(client: dict[str, str]) -> Config:

@@ -42,3 +42,26 @@ def test_worker_publishes_groups_and_stalls_without_credit(cfg):
     assert full_groups() == capacity + 1 and credit.prompts_admitted() == capacity + 1
     asyncio.run(engine.close())
     trajectories.close()
+
+
+def test_the_engines_top_k_logprobs_are_published_with_each_sample(cfg):
+    cfg = cfg.with_overrides(rollout={"logprobs_topk": 3})
+    load_prompts(cfg, count=4)
+    engine = CpuEngine(cfg.model, cfg.rollout, seed=1)
+    worker = RolloutWorker(cfg, "w-test", engine, load_tokenizer(cfg.model))
+    trajectories = RecordConsumer(cfg.broker, topics.TRAJECTORIES, "audit").assign(partitions=range(cfg.broker.partitions))
+    logprobs = RecordConsumer(cfg.broker, topics.LOGPROBS, "audit").assign(partitions=range(cfg.broker.partitions))
+    seen: dict[str, list] = {}
+    asyncio.run(run_until(worker, lambda: len(published_groups(trajectories, seen)) >= 1))
+    asyncio.run(engine.close())
+    responses = {t.trajectory_id: t.response_ids for group in seen.values() for t in group}
+    records = [r for d in logprobs.drain(idle_s=0.5, max_wait_s=10) for r in d.records if r.trajectory_id in responses]
+    assert len(records) == len(responses) >= cfg.rollout.group_size
+    for record in records:
+        response = responses[record.trajectory_id]
+        assert len(record.topk_ids) == len(record.topk_logprobs) == len(record.logprobs) == len(response)
+        for token, logprob, ids, values in zip(response, record.logprobs, record.topk_ids, record.topk_logprobs):
+            assert len(ids) == 3 and values == sorted(values, reverse=True)
+            assert token not in ids or values[ids.index(token)] == logprob
+    trajectories.close()
+    logprobs.close()

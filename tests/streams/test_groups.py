@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from milestream.schemas import routing
-from milestream.schemas.records import LogProbs, Record, Trajectory
+from milestream.schemas.records import LogProbs, Record, TeacherLogProbs, Trajectory
 from milestream.streams.filters import reward_nonzero_std
-from milestream.streams.groups import GroupAssembler, join_sample, load_filter, oldest_version, staleness
+from milestream.streams.groups import (GroupAssembler, join_sample, load_filter, oldest_version, record_positions,
+                                       staleness)
 from milestream.streams.sources import MismatchError, refs_of
 
 _offsets = itertools.count()
@@ -29,8 +30,7 @@ class Assembler(GroupAssembler):
 
 
 def joined(manifest):
-    return [join_sample(row, LOG[row.trajectory_offset], LOG[row.logprobs_offset], [LOG[o] for o in row.routing_offsets])
-            for row in manifest]
+    return [join_sample(row, [LOG[offset] for _, offset, _, _ in record_positions(row)]) for row in manifest]
 
 
 def traj(group: str, i: int, size: int = 2, status: str = "completed", reward: float = 0.0, versions=(1, 2)):
@@ -195,3 +195,26 @@ def test_a_record_that_breaks_a_rule_of_its_own_is_refused_before_any_group_sees
         with pytest.raises(MismatchError) as caught:
             ref(record)
         assert caught.value.field == field_name
+
+
+def test_under_distillation_a_group_waits_for_its_teachers_logprobs_and_carries_them():
+    assembler = Assembler(needs_teacher=True)
+    teacher = [TeacherLogProbs(f"t/{i}", "t", i, 2, [-0.5 - i, -0.25], "teacher") for i in range(2)]
+    for record in (traj("t", 0), lp("t", 0), traj("t", 1), lp("t", 1), teacher[1]):
+        assert assembler.add(record) == (None, True)
+    outcome, _ = assembler.add(teacher[0])
+    assert outcome.dropped is None and all(row.teacher_offset >= 0 for row in outcome.manifest)
+    assert [s.teacher_logprobs for s in joined(outcome.manifest)] == [[-0.5, -0.25], [-1.5, -0.25]]
+    other = Assembler(needs_teacher=True)
+    other.add(traj("u", 0))
+    with pytest.raises(MismatchError, match="1 log-probs for 2 response tokens"):
+        other.add(TeacherLogProbs("u/0", "u", 0, 2, [-1.0], "teacher"))
+
+
+def test_without_distillation_teacher_records_are_not_waited_for():
+    assembler = Assembler()
+    for record in (traj("n", 0), lp("n", 0), traj("n", 1)):
+        assembler.add(record)
+    outcome, _ = assembler.add(lp("n", 1))
+    assert outcome.dropped is None and [row.teacher_offset for row in outcome.manifest] == [-1, -1]
+    assert [s.teacher_logprobs for s in joined(outcome.manifest)] == [[], []]

@@ -21,6 +21,7 @@ from milestream.infra.kafka import LogAdmin, RecordProducer, topic_name
 from milestream.log.reader import BrokerSource
 from milestream.log.samples import logged_samples
 from milestream.schemas import routing, topics
+from milestream.streams.groups import source_topics
 from milestream.streams.ledger import SETTLED, BufferLedger
 from milestream.streams.processor import app_id
 
@@ -29,7 +30,7 @@ WAVES = 10
 GROUPS_PER_WAVE = 8  # the first half complete within the wave's first part, the rest straddle the cut
 KILL_WAVES = (1, 3, 5, 7)
 COMMIT_INTERVAL_S = 0.5
-SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)
+SOURCES = source_topics(teacher=False)
 
 
 def split_wave(wave: int, rng: random.Random):

@@ -108,7 +108,7 @@ def test_a_corrupted_or_missing_tensor_is_refused_by_the_engine_and_flagged(cfg:
     with pytest.raises(WeightVerificationError, match="missing tensors"):
         make_receiver(cfg.with_overrides(weights={"transport": "disk"}), "x").receive(third)
 
-    worker.producer.flush()
+    worker.close()
     verifier = WeightVerifier(cfg)
     judged = {ack.version: problem for ack, problem in judge_all(verifier, 2)}
     verifier.close()

@@ -24,6 +24,7 @@ from milestream.train.logprobs import shared_prompt_forward
 from milestream.train.losses import ValueHead
 from milestream.train.routing_replay import replayed_forward
 from milestream.infra.model import load_model, load_trainable_state_dict, trainable_state_dict
+from milestream.infra.on_policy import make_exact
 
 
 VALUE_HEAD = "value_head"
@@ -37,6 +38,8 @@ class LocalBackend:
         self.cfg = cfg
         self.device = device
         self.model = load_model(cfg.model, dtype=torch.float32).to(device).train()  # fp32 master weights
+        if cfg.rollout.true_on_policy:  # the forward the CPU engine runs, bit for bit
+            make_exact(self.model)
         self.params = trainable_named_parameters(self.model)
         self.value_head: ValueHead | None = None
         if cfg.trainer.advantage_estimator == "ppo":
@@ -47,6 +50,8 @@ class LocalBackend:
         self.reference = None
         if (cfg.trainer.kl_coef or cfg.trainer.kl_loss_coef) and not cfg.model.lora_rank:
             self.reference = load_model(cfg.model, dtype=torch.float32).to(device).requires_grad_(False)
+            if cfg.rollout.true_on_policy:
+                make_exact(self.reference)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.trainer.lr,
                                            weight_decay=cfg.trainer.weight_decay)
 
