@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from milestream.schemas.records import GroupSample
-from milestream.streams.groups import oldest_version
 from milestream.train.logprobs import pad
 from milestream.train.losses import log_ratio
 
@@ -43,9 +42,9 @@ RAW = "mismatch_sum:"  # the loss function's raw sums, turned into the figures a
 def trainer_version(groups: Iterable[tuple[Sequence[GroupSample], int]]) -> int:
     """pi_old's version from (samples, staleness) of the batch's groups: staleness = it - the oldest token's."""
     for samples, staleness in groups:
-        oldest = oldest_version(samples)
-        if oldest is not None:
-            return oldest + staleness
+        versions = [v for s in samples for v in s.token_versions]
+        if versions:
+            return min(versions) + staleness
     return 0
 
 
