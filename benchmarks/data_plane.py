@@ -19,12 +19,17 @@ Prints one JSON line per size (and a last one with all of them), each on a fresh
                  4 partitions)
   copy_ratio     every value forwarded once more to a second topic and read back (the processor's client, no
                  logic): the least a design that copies payloads (chunked groups) costs, against raw
+  faust_forward_traj_s  (1k and 32k-r3-g8) the same copy by the cheapest faust-streaming processor
+  faust_forward_ratio   (benchmarks/faust_forward.py, its own process: raw values taken in batches, each sent on
+                 with its key and headers by faust's producer, no logic): trajectories/s from the first publish
+                 to the last copy read back, and its MB/s against raw as copy_ratio's
 
     python benchmarks/data_plane.py [--sizes 1k,32k,32k-r3-g8,32k-r3-g16] [--scale 1.0]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -34,7 +39,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ContextManager, Iterator
 
+import faust_forward  # benchmarks/ is a folder of scripts: this one's own folder is on the path
 import numpy as np
 
 from milestream.config import Config
@@ -73,6 +80,7 @@ SIZES = {
     "32k-r3-g8": Size(8, 512, 32768, True, 6, 4, 1),
     "32k-r3-g16": Size(16, 512, 32768, True, 3, 3, 1),
 }
+FAUST_SIZES = ("1k", "32k-r3-g8")  # where copy_run also runs the faust forwarder
 Value = tuple[topics.TopicSpec, bytes]
 Group = tuple[str, list[Value]]
 
@@ -268,28 +276,54 @@ def forward(cfg: Config, stopping: threading.Event) -> None:
     consumer.close()
 
 
-def copy_run(cfg: Config, groups: list[Group]) -> float:
-    """Seconds from the first publish to the last copy read back, a forwarder in between (its own thread)."""
-    total = sum(len(values) for _, values in groups)
-    consumer = RawConsumer(cfg.broker, f"bench-copy-{time.time()}").assign(
-        {(topic_name(cfg.broker, COPY), p): None for p in range(PARTITIONS)})
+@contextlib.contextmanager
+def thread_forwarder(cfg: Config) -> Iterator[None]:
+    """``forward`` in a thread of this process while the block runs."""
     stopping = threading.Event()
     forwarder = threading.Thread(target=forward, args=(cfg, stopping))
     forwarder.start()
     try:
-        publish(RecordProducer(cfg.broker, client_id="bench-copy"), groups[:1])  # it has joined and reads
-        got = 0
-        while got < len(groups[0][1]):
-            got += len(consumer.consume(timeout=1.0, limit=BATCH))
-        started, got = time.monotonic(), 0
-        publish(RecordProducer(cfg.broker, client_id="bench-copy"), groups[1:])
-        while got < total - len(groups[0][1]):
-            got += len(consumer.consume(timeout=1.0, limit=BATCH))
-        return time.monotonic() - started
+        yield
     finally:
         stopping.set()
         forwarder.join()
+
+
+@contextlib.contextmanager
+def faust_forwarder(cfg: Config, workdir: Path) -> Iterator[None]:
+    """benchmarks/faust_forward.py's app, in its own process, forwarding SOURCES to COPY while the block runs."""
+    app = faust_forward.start(cfg, topic_name(cfg.broker, COPY), [topic_name(cfg.broker, s) for s in SOURCES], workdir)
+    try:
+        yield
+    finally:
+        app.terminate()
+        app.wait(30)
+
+
+def copy_run(cfg: Config, groups: list[Group], forwarder: ContextManager[None] | None = None) -> float:
+    """Seconds from the first publish to the last copy read back, a forwarder in between (by default
+    ``thread_forwarder``)."""
+    total = sum(len(values) for _, values in groups)
+    consumer = RawConsumer(cfg.broker, f"bench-copy-{time.time()}").assign(
+        {(topic_name(cfg.broker, COPY), p): None for p in range(PARTITIONS)})
+    try:
+        with forwarder or thread_forwarder(cfg):
+            publish(RecordProducer(cfg.broker, client_id="bench-copy"), groups[:1])  # it has joined and reads
+            read_copies(consumer, len(groups[0][1]))
+            started = time.monotonic()
+            publish(RecordProducer(cfg.broker, client_id="bench-copy"), groups[1:])
+            read_copies(consumer, total - len(groups[0][1]))
+            return time.monotonic() - started
+    finally:
         consumer.close()
+
+
+def read_copies(consumer: RawConsumer, count: int, timeout_s: float = 600.0) -> None:
+    deadline, got = time.monotonic() + timeout_s, 0  # a hang guard: a forwarder that died forwards nothing
+    while got < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{got} of {count} copies after {timeout_s}s")
+        got += len(consumer.consume(timeout=1.0, limit=BATCH))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -307,6 +341,10 @@ def measure(name: str, size: Size) -> dict:
                for mode in ("sequential", "concurrent")}
         copy_cfg = namespace(live, f"{name}-copy", size)
         copy_s = copy_run(copy_cfg, make.many("copy", size.groups + 1))
+        if name in FAUST_SIZES:
+            faust_cfg = namespace(live, f"{name}-faust", size)
+            faust_s = copy_run(faust_cfg, make.many("faust", size.groups + 1),
+                               faust_forwarder(faust_cfg, Path(workdir)))
     one = runs[1]
     pipeline_mb_s, raw_mb_s = one["mb"] / one["seconds"], max(raw.values())
     return {
@@ -321,6 +359,8 @@ def measure(name: str, size: Size) -> dict:
         "scaling_traj_s": {n: round(run["trajectories"] / run["seconds"], 1) for n, run in runs.items()},
         "scaling_processor_traj_s": {n: round(run["trajectories"] / run["emitted_seconds"], 1) for n, run in runs.items()},
         "copy_ratio": round(one["mb"] / copy_s / raw_mb_s, 3),
+        **({"faust_forward_traj_s": round(one["trajectories"] / faust_s, 1),
+            "faust_forward_ratio": round(one["mb"] / faust_s / raw_mb_s, 3)} if name in FAUST_SIZES else {}),
     }
 
 

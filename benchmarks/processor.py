@@ -9,13 +9,21 @@ Prints one JSON line:
                        the raw values of both source topics on to one topic: groups/s to the forwarding
                        of the last record
   ratio                processor_groups_s / forward_groups_s
+  faust_forward_groups_s  the same burst through the cheapest faust-streaming processor
+                       (benchmarks/faust_forward.py: an agent on both source topics, raw key and value,
+                       ``stream.take_events(BATCH, within=0.05)``, each value sent on with its key and
+                       headers by faust's own producer, no logic): groups/s to the forwarding of the last
+                       record; faust_forward_p50_ms / faust_forward_p99_ms: its paced latency, as forward's
+  faust_vs_processor   faust_forward_groups_s / processor_groups_s: above 1, faust doing nothing outruns
+                       the processor doing everything
   p50_ms / p99_ms      the last record of a group published -> its group emitted on buffer.groups, at
                        a paced rate (no backlog queueing); forward_p50_ms / forward_p99_ms: the same
                        to the forwarding of the group's last record
 
 "Emitted" is the CreateTime the app's producer stamps on its output record (1 ms resolution), so
-the figures do not depend on how fast this script reads the output back. The two apps run one after
-the other as separate processes on one broker (topic prefixes bench-processor. and bench-forward.).
+the figures do not depend on how fast this script reads the output back. The three apps run one after
+the other as separate processes on one broker (topic prefixes bench-processor., bench-forward. and
+bench-faust.).
 
     python benchmarks/processor.py [--groups 300] [--group-size 8] [--response-tokens 512]
 """
@@ -33,9 +41,10 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts
 import data_plane  # noqa: E402
+import faust_forward  # noqa: E402
 
 from milestream.config import Config, load_config  # noqa: E402
-from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, SourceConsumer  # noqa: E402
+from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, SourceConsumer, topic_name  # noqa: E402
 from milestream.infra.secret_env import stage_environment  # noqa: E402
 from milestream.infra.services import die_with_parent, services  # noqa: E402
 from milestream.schemas import topics  # noqa: E402
@@ -67,6 +76,11 @@ def start_forward(cfg: Config, workdir: Path) -> subprocess.Popen:
     config_path.write_text(cfg.to_yaml())  # without the Redis password: the app gets it in its environment
     return subprocess.Popen([sys.executable, __file__, "--serve-forward", str(config_path)], env=stage_environment(cfg),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+
+def start_faust(cfg: Config, workdir: Path) -> subprocess.Popen:
+    return faust_forward.start(cfg, topic_name(cfg.broker, FORWARDED),
+                               [topic_name(cfg.broker, spec) for spec in SOURCES], workdir)
 
 
 class OutputReader:
@@ -152,7 +166,8 @@ def main() -> None:
         processor_cfg = live.with_overrides(buffer={"capacity_factor": 1e6}, rollout={"group_size": args.group_size},
                                             broker={"topic_prefix": "bench-processor."})
         forward_cfg = live.with_overrides(broker={"topic_prefix": "bench-forward."})
-        for cfg in (processor_cfg, forward_cfg):
+        faust_cfg = live.with_overrides(broker={"topic_prefix": "bench-faust."})
+        for cfg in (processor_cfg, forward_cfg, faust_cfg):
             Admin(cfg.broker).create_topics([*topics.CATALOGUE, FORWARDED])
         BufferLedger(processor_cfg).initialise()
         data_plane.admit(processor_cfg, [warmup, *burst, *paced])
@@ -160,6 +175,8 @@ def main() -> None:
                                          topics.GROUPS, 1, warmup, burst, paced, args.rate)
         forward_s, forward_latencies = measure(forward_cfg, lambda: start_forward(forward_cfg, Path(workdir)),
                                                FORWARDED, per_group, warmup, burst, paced, args.rate)
+        faust_s, faust_latencies = measure(faust_cfg, lambda: start_faust(faust_cfg, Path(workdir)),
+                                           FORWARDED, per_group, warmup, burst, paced, args.rate)
     pct = lambda values, q: round(data_plane.percentile(values, q), 1)  # noqa: E731
     print(json.dumps({
         "groups": args.groups, "group_size": args.group_size, "response_tokens": args.response_tokens,
@@ -167,6 +184,8 @@ def main() -> None:
         "ratio": round(processor_s / forward_s, 4),
         "p50_ms": pct(latencies, 0.5), "p99_ms": pct(latencies, 0.99),
         "forward_p50_ms": pct(forward_latencies, 0.5), "forward_p99_ms": pct(forward_latencies, 0.99),
+        "faust_forward_groups_s": round(faust_s, 1), "faust_vs_processor": round(faust_s / processor_s, 4),
+        "faust_forward_p50_ms": pct(faust_latencies, 0.5), "faust_forward_p99_ms": pct(faust_latencies, 0.99),
         "latency_groups": args.latency_groups, "rate_per_s": args.rate,
     }))
 
