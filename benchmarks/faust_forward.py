@@ -6,8 +6,8 @@ within=0.05)``; ``take`` would yield values only, and the key and headers must t
 on, with its key and headers, through faust's own producer to one output topic. No decoding, no logic: what a
 faust processor costs before it does anything.
 
-Settings follow the faust processor milestream ran before the librdkafka one (main:milestream/streams/
-processor.py faust_settings): plaintext to the embedded broker, topics created beforehand, earliest offsets,
+Settings follow the faust processor milestream ran before the librdkafka one (``faust_settings`` in the git
+history of milestream/streams/processor.py): plaintext to the embedded broker, topics created beforehand, earliest offsets,
 and aiokafka's fetch wait shortened to ``broker.fetch_wait_ms`` (faust fixes it at 1500 ms, and tansu holds an
 empty fetch for a share of it even when data arrives). The producer lingers 5 ms in batches up to 1 MB, as the
 processor's librdkafka producer does (aiokafka's own default batch is 16 KB).

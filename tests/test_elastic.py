@@ -98,6 +98,9 @@ def test_rollout_scales_from_one_worker_to_three_and_back_with_one_killed_mid_gr
             proc.kill()
         samples.reader.close()
         print_logs_unless_done(run_dir, outcome)
+        if "summary" not in outcome:  # the added workers log beside the run's stages
+            for name in extra:
+                print(f"==== {name}.log", (tmp_path / f"{name}.log").read_text()[-4000:], sep="\n")
     summary = outcome["summary"]
     assert summary["steps"] == cfg.trainer.steps and summary["buffer"]["unaccounted"] == 0, summary
     audit = audit_run(run_dir)
