@@ -131,6 +131,12 @@ class RecordProducer:
         if self.producer.flush(timeout) > 0:
             raise TimeoutError(f"{len(self.producer)} messages not delivered after {timeout}s")
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Deliver what is queued, then let the client go: its threads stop, rather than retrying a broker that
+        may be gone, whenever the object happens to be collected."""
+        self.flush(timeout)
+        self.producer.close()
+
 
 def _raise_on_error(err, msg) -> None:
     if err is not None:

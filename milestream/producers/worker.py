@@ -212,7 +212,7 @@ class RolloutWorker:
         self.close()
 
     def close(self) -> None:
-        self.producer.flush()
+        self.producer.close()
         self.prompts.close()
         self.versions.close()
         self.hook.close()
