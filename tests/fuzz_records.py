@@ -35,7 +35,7 @@ from milestream.producers.data import prompt_stream
 from milestream.schemas import routing, topics
 from milestream.schemas.codec import SCHEMA_HEADER, encode, headers_for, schema_with_id
 from milestream.schemas.records import (Dropped, EvalResult, GroupManifest, LogProbs, Metrics, Prompt, Record, Routing,
-                                        Trajectory, WeightApplied, WeightVersion)
+                                        TeacherLogProbs, Trajectory, WeightApplied, WeightVersion)
 from milestream.streams.versions import weights_dir
 
 VOCAB = 49152  # the tiny model's (and SmolLM2's)
@@ -83,6 +83,7 @@ class HostileRecords:
             topics.GROUPS.name: self._group_kinds(), topics.WEIGHT_VERSIONS.name: self._version_kinds(),
             topics.WEIGHTS_APPLIED.name: self._applied_kinds(), topics.METRICS.name: self._metrics_kinds(),
             topics.DROPPED.name: self._dropped_kinds(), topics.EVAL_RESULTS.name: self._eval_kinds(),
+            topics.TEACHER_LOGPROBS.name: self._teacher_kinds(),  # read only under distill: not in TARGETS
         }
 
     def pick_topic(self) -> topics.TopicSpec:
@@ -188,6 +189,9 @@ class HostileRecords:
     def logprobs(self, group_id: str, index: int, tokens: int = 4) -> LogProbs:
         return LogProbs(f"{group_id}/{index}", group_id, index, self.size, [-0.5] * tokens)
 
+    def teacher(self, group_id: str, index: int, tokens: int = 4) -> TeacherLogProbs:
+        return TeacherLogProbs(f"{group_id}/{index}", group_id, index, self.size, [-0.25] * tokens, "fuzz-teacher")
+
     def routing(self, group_id: str, index: int) -> Routing:
         ids = np.array([[[self.rng.randrange(8) for _ in range(2)] for _ in range(2)] for _ in range(4)])
         return routing.pack(f"{group_id}/{index}", group_id, index, self.size, ids, 8)[0]
@@ -211,6 +215,7 @@ class HostileRecords:
             topics.TRAJECTORIES.name: lambda: [self.trajectory(group_id, 0)],
             topics.LOGPROBS.name: lambda: [self.logprobs(group_id, 0)],
             topics.ROUTING.name: lambda: [self.routing(group_id, 0)],
+            topics.TEACHER_LOGPROBS.name: lambda: [self.teacher(group_id, 0)],
             topics.GROUPS.name: lambda: self.group(group_id),
             topics.DROPPED.name: lambda: [Dropped(group_id, group_id[:-2], "stale", "fuzz", "processor", self.size,
                                                   0, 1, 0.5, 0.0)],
@@ -303,6 +308,23 @@ class HostileRecords:
             "live_positive_logprob": lambda: lp(True, logprobs=[0.7] * 4),
             "live_group_size": lambda: lp(True, group_size=self.size * 2),
             "live_sample_index": lambda: lp(True, sample_index=self.size + 3),
+        }
+
+    def _teacher_kinds(self) -> dict[str, Callable[[], list[Record]]]:
+        def tl(live: bool = False, **fields) -> list[Record]:
+            return [dataclasses.replace(self.teacher(self._group(live), self.rng.randrange(self.size)), **fields)]
+        return {
+            "nan_logprob": lambda: tl(logprobs=[-0.5, math.nan, -0.5, -0.5]),
+            "positive_logprob": lambda: tl(logprobs=[2.0] * 4),
+            "inf_logprob": lambda: tl(logprobs=[math.inf] * 4),
+            "negative_sample_index": lambda: tl(sample_index=-1),
+            "group_size_huge": lambda: tl(group_size=10 ** 9),
+            "trajectory_id_mismatch": lambda: tl(trajectory_id="../teacher"),
+            "unadmitted_group": lambda: tl(),
+            "live_nan_logprob": lambda: tl(True, logprobs=[math.nan] * 4),
+            "live_positive_logprob": lambda: tl(True, logprobs=[0.5] * 4),
+            "live_group_size": lambda: tl(True, group_size=self.size + 1),
+            "live_sample_index": lambda: tl(True, sample_index=self.size),
         }
 
     def _routing_kinds(self) -> dict[str, Callable[[], list[Record]]]:

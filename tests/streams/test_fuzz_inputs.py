@@ -1,5 +1,6 @@
 """A seeded sample of hostile records (tests/fuzz_records.py) through the real consumers: the stream
-processor (its own process) and the trainer's collector. Each lands on ``deadletter`` naming its topic,
+processor (its own process) and the trainer's collector, with on-policy distillation off and on (then the
+teacher's topic is joined, and fuzzed, too). Each lands on ``deadletter`` naming its topic,
 partition, offset and field; the processor stays up; good groups sent among them, some of whose ids the
 hostile records claim, are joined and collected as they were sent. And every kind of hostile record of
 the other topics is refused by the check its reader runs. ``benchmarks/fuzz.py`` sends 10,000 into a run."""
@@ -27,12 +28,16 @@ PROCESSOR_TOPICS = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING, topics
 
 
 def send_interleaved(cfg: Config, hostile: HostileRecords, good: list[str]) -> dict[tuple[str, int, int], str]:
-    """The good groups' records with SAMPLE hostile ones among them; returns where each hostile one landed."""
+    """The good groups' records (with their teacher's under distill) with SAMPLE hostile ones among them;
+    returns where each hostile one landed."""
     rng = random.Random(3)
-    specs = [rng.choice([*PROCESSOR_TOPICS, topics.GROUPS]) for _ in range(SAMPLE)]
+    teacher = (topics.TEACHER_LOGPROBS,) if cfg.distill.enabled else ()
+    specs = [rng.choice([*PROCESSOR_TOPICS, *teacher, topics.GROUPS]) for _ in range(SAMPLE)]
     made = [hostile.make(spec) for spec in specs]
     made = [h for h in made if not h.ignorable and h.kind != "over_broker_limit"]
     good_records = [(spec, record) for gid in good for spec, record in group_records(gid, hostile.size)]
+    good_records += [(topics.TEACHER_LOGPROBS, hostile.teacher(gid, i)) for gid in good for i in range(hostile.size)
+                     if teacher]
     stream = [("hostile", h) for h in made] + [("good", r) for r in good_records]
     rng.shuffle(stream)
     producer, landed = RecordProducer(cfg.broker, client_id="fuzz-test"), {}
@@ -49,14 +54,17 @@ def send_interleaved(cfg: Config, hostile: HostileRecords, good: list[str]) -> d
     return landed
 
 
-def test_hostile_records_are_dead_lettered_by_the_processor_and_the_collector(cfg, tmp_path):
-    cfg = cfg.with_overrides(buffer={"max_record_bytes": 1024 * 1024})
+@pytest.mark.parametrize("distill", [False, True], ids=["", "distill"])
+def test_hostile_records_are_dead_lettered_by_the_processor_and_the_collector(cfg, tmp_path, distill):
+    cfg = cfg.with_overrides(buffer={"max_record_bytes": 1024 * 1024},
+                             distill={"teacher_path": str(tmp_path)} if distill else {})
     good = [f"good-{i}#0" for i in range(GOOD_GROUPS)]
     admit(cfg, good)
     hostile = HostileRecords(cfg, seed=11)
     hostile.live_groups, hostile.trainer_version = good, 2
     BufferLedger(cfg).raise_trainer_version(hostile.trainer_version)  # as `milestream run` and the trainer do
     landed = send_interleaved(cfg, hostile, good)
+    assert distill == any(what.startswith(f"{topics.TEACHER_LOGPROBS.name}/") for what in landed.values())
     producer = RecordProducer(cfg.broker, client_id="fuzz-collector")
     collector = GroupCollector(cfg, producer, {}, Admin(cfg.broker).partitions(topics.GROUPS), set())
     processor = ProcessorProcess(cfg, tmp_path)
@@ -88,6 +96,7 @@ def test_hostile_records_are_dead_lettered_by_the_processor_and_the_collector(cf
         samples = sorted(pooled.samples, key=lambda s: s.sample_index)
         assert [(s.sample_index, s.response_ids, s.reward) for s in samples] \
             == [(t.sample_index, t.response_ids, t.reward) for t in sent[pooled.group_id]]
+        assert all(s.teacher_logprobs == ([-0.25] * len(s.response_ids) if distill else []) for s in samples)
     collector.close()
     assert "Traceback" not in processor.log_path.read_text()  # it never stopped on one, nor logged one
 
