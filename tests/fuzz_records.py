@@ -291,15 +291,21 @@ class HostileRecords:
         return [dataclasses.replace(record, group_id=group_id, trajectory_id=f"{group_id}/{record.sample_index}")]
 
     def _logprob_kinds(self) -> dict[str, Callable[[], list[Record]]]:
+        return self._scored_kinds(self.logprobs, topk_shape={"topk_ids": [[1]] * 2, "topk_logprobs": [[-0.1]] * 2},
+                                  topk_half={"topk_ids": [[1]] * 4})
+
+    def _teacher_kinds(self) -> dict[str, Callable[[], list[Record]]]:
+        return self._scored_kinds(self.teacher)
+
+    def _scored_kinds(self, make: Callable[[str, int], Record], **extra: dict) -> dict[str, Callable[[], list[Record]]]:
+        """What log-probs (the engine's or the teacher's) may get wrong: values, indices, sizes, ids, groups; and
+        the ``extra`` kinds, each the fields it sets."""
         def lp(live: bool = False, **fields) -> list[Record]:
-            record = self.logprobs(self._group(live), self.rng.randrange(self.size))
-            return [dataclasses.replace(record, **fields)]
-        return {
+            return [dataclasses.replace(make(self._group(live), self.rng.randrange(self.size)), **fields)]
+        return {name: (lambda fields=fields: lp(**fields)) for name, fields in extra.items()} | {
             "nan_logprob": lambda: lp(logprobs=[-0.5, math.nan, -0.5, -0.5]),
             "positive_logprob": lambda: lp(logprobs=[3.0] * 4),
             "inf_logprob": lambda: lp(logprobs=[math.inf] * 4),
-            "topk_shape": lambda: lp(topk_ids=[[1]] * 2, topk_logprobs=[[-0.1]] * 2),
-            "topk_half": lambda: lp(topk_ids=[[1]] * 4),
             "negative_sample_index": lambda: lp(sample_index=-3),
             "group_size_huge": lambda: lp(group_size=10 ** 9),
             "trajectory_id_mismatch": lambda: lp(trajectory_id="../x"),
@@ -308,23 +314,6 @@ class HostileRecords:
             "live_positive_logprob": lambda: lp(True, logprobs=[0.7] * 4),
             "live_group_size": lambda: lp(True, group_size=self.size * 2),
             "live_sample_index": lambda: lp(True, sample_index=self.size + 3),
-        }
-
-    def _teacher_kinds(self) -> dict[str, Callable[[], list[Record]]]:
-        def tl(live: bool = False, **fields) -> list[Record]:
-            return [dataclasses.replace(self.teacher(self._group(live), self.rng.randrange(self.size)), **fields)]
-        return {
-            "nan_logprob": lambda: tl(logprobs=[-0.5, math.nan, -0.5, -0.5]),
-            "positive_logprob": lambda: tl(logprobs=[2.0] * 4),
-            "inf_logprob": lambda: tl(logprobs=[math.inf] * 4),
-            "negative_sample_index": lambda: tl(sample_index=-1),
-            "group_size_huge": lambda: tl(group_size=10 ** 9),
-            "trajectory_id_mismatch": lambda: tl(trajectory_id="../teacher"),
-            "unadmitted_group": lambda: tl(),
-            "live_nan_logprob": lambda: tl(True, logprobs=[math.nan] * 4),
-            "live_positive_logprob": lambda: tl(True, logprobs=[0.5] * 4),
-            "live_group_size": lambda: tl(True, group_size=self.size + 1),
-            "live_sample_index": lambda: tl(True, sample_index=self.size),
         }
 
     def _routing_kinds(self) -> dict[str, Callable[[], list[Record]]]:
