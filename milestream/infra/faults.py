@@ -23,6 +23,7 @@ A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known po
 and the failure points:
 
   engine.step                 the CpuEngine, at the start of a step (every row of the step fails)
+  worker.admitting            a rollout worker, asking the ledger to admit a prompt
 """
 from __future__ import annotations
 

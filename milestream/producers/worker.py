@@ -195,12 +195,22 @@ class RolloutWorker:
         self._stop = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop``. A loop of the worker's own that ends first (admission, weights, reports) ends the run
+        with its error, so the stage restarts, rather than leaving a member that holds its prompts' partitions
+        and admits nothing (an exception in a task is otherwise seen by nobody)."""
         self._stop = stop
         background = [asyncio.create_task(self._follow_weights(stop)), asyncio.create_task(self._report(stop))]
         admit = asyncio.create_task(self._admit_forever())
-        await stop.wait()
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([stopping, admit, *background], return_when=asyncio.FIRST_COMPLETED)
+        ended = [task for task in (admit, *background) if task.done()]
+        error = None if stop.is_set() or not ended else (
+            ended[0].exception() or RuntimeError(f"the worker's {ended[0].get_coro().__name__} loop ended"))
+        if error is not None:
+            log.error("worker %s: %r; stopping, for a restart to take over its prompts", self.worker_id, error)
+        stopping.cancel()
         admit.cancel()
-        if self.tasks and not self.gave_up:  # scaled in: the groups in flight may finish, the rest is aborted
+        if self.tasks and not self.gave_up and error is None:  # scaled in: the groups in flight may finish
             log.info("worker %s stopping: %d groups in flight get %.0f s to finish", self.worker_id, len(self.tasks),
                      self.cfg.rollout.stop_grace_s)
             await asyncio.wait(set(self.tasks), timeout=self.cfg.rollout.stop_grace_s)
@@ -210,6 +220,8 @@ class RolloutWorker:
         await asyncio.gather(admit, *background, *running, return_exceptions=True)
         log.info("worker %s stopped: %d groups aborted", self.worker_id, len(running))
         self.close()
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         self.producer.close()
@@ -249,6 +261,7 @@ class RolloutWorker:
         the version the trainer asks the next batch of."""
         while True:
             version = self.engine.version
+            faults.fail("worker.admitting")
             admission = self.ledger.admit(group_id, self.worker_id, version)
             if admission not in (NO_CREDIT, BEHIND):
                 return admission

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from holds import Holds
 from stage_runs import published_groups, run_until
 
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.model import load_tokenizer
 from milestream.engines.engine import CpuEngine
+from milestream.infra.faults import InjectedFault
 from milestream.producers.loader import load_prompts
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
@@ -65,3 +68,17 @@ def test_the_engines_top_k_logprobs_are_published_with_each_sample(cfg):
             assert token not in ids or values[ids.index(token)] == logprob
     trajectories.close()
     logprobs.close()
+
+
+def test_a_worker_whose_admission_fails_stops_with_the_error(cfg, tmp_path, monkeypatch):
+    """An exception in a task is seen by nobody unless awaited: a worker whose admission loop failed must end
+    with that error (the stage restarts and the prompts it held go to another member), not stay in the
+    prompts group holding partitions while admitting nothing."""
+    load_prompts(cfg, count=2)
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.fail("worker.admitting")
+    engine = CpuEngine(cfg.model, cfg.rollout, seed=1)
+    worker = RolloutWorker(cfg, "w-failing", engine, load_tokenizer(cfg.model))
+    with pytest.raises(InjectedFault, match="worker.admitting"):
+        asyncio.run(asyncio.wait_for(worker.run(asyncio.Event()), timeout=120))
+    asyncio.run(engine.close())
