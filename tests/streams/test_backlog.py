@@ -27,12 +27,14 @@ PROMPT, RESPONSE = [1, 2, 3], 16
 # the dense test model trains with routing replay off, so only the routing's size matters: a layout of many
 # layers gives each sample about 0.7 MB of routing on tokens a 2-core machine trains in well under a second
 LAYERS, TOP_K, EXPERTS = 8192, 8, 256
-# peak RSS growth while the burst passes: a processor's (its librdkafka fetch queue is 32 MB), and the trainer's
+# peak RSS growth while the burst passes: a processor's (its librdkafka fetch queue is 32 MB, and a batch handed
+# to Python holds up to as much again while the queue refills: +4 to +57 MB measured), and the trainer's
 # past its first step's peak: the batch it trains and the next it reads, each ~13 MB of routing held as values
 # and as decoded records, its reader's 8 MB queue, and the allocator's slack over the steps (84-102 MB measured,
 # the same with a burst half this size: it does not grow with the backlog; before manifests it held the whole
-# backlog's samples, twice the burst); and a processor's whole peak RSS
-PROCESSOR_GROWTH_MB, TRAINER_GROWTH_MB, PROCESSOR_PEAK_MB = 64, 128, 250
+# backlog's samples, twice the burst). Growth, not the peak: a process's baseline differs by tens of MB from one
+# installation to another (158 and 204 MB measured for the same processor)
+PROCESSOR_GROWTH_MB, TRAINER_GROWTH_MB = 96, 128
 
 
 def routing_template() -> Routing:
@@ -117,7 +119,6 @@ def test_a_burst_while_the_trainer_is_held_stays_within_bounded_memory(cfg, tmp_
     assert burst_mb > max(PROCESSOR_GROWTH_MB, TRAINER_GROWTH_MB)
     for name in pids:
         assert peak[name] - before[name] < (TRAINER_GROWTH_MB if name == "trainer" else PROCESSOR_GROWTH_MB), name
-        assert name == "trainer" or peak[name] < PROCESSOR_PEAK_MB
     audit = audit_run(cfg.run.run_dir, BrokerSource(cfg, idle_s=1.0))
     assert audit.exact and audit.groups_dropped == 0, audit
     assert (audit.groups_trained, audit.steps) == (BATCH * (1 + BURST_BATCHES), 1 + BURST_BATCHES)
