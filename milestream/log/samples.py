@@ -10,7 +10,7 @@ from __future__ import annotations
 from milestream.log.reader import LogSource
 from milestream.schemas import topics
 from milestream.schemas.records import GroupManifest, GroupSample, Record
-from milestream.streams.groups import join_sample, record_positions, source_topics
+from milestream.streams.groups import join_sample, record_positions
 
 
 def logged_manifests(source: LogSource) -> dict[str, list[GroupManifest]]:
@@ -27,9 +27,10 @@ def logged_samples(source: LogSource, wanted: set[str] | None = None) -> dict[st
     manifests = {g: rows for g, rows in logged_manifests(source).items() if wanted is None or g in wanted}
     if not manifests:
         return {}
+    # only the topics the manifests point at: no routing read for a dense model, no teacher's without distill
+    pointed = {spec for rows in manifests.values() for row in rows for spec, *_ in record_positions(row)}
     records: dict[tuple[str, int, int], list[Record]] = {
-        (spec.name, m.partition, m.offset): m.records for spec in source_topics(teacher=True)
-        for m in source.messages(spec)}
+        (spec.name, m.partition, m.offset): m.records for spec in pointed for m in source.messages(spec)}
 
     def joined(row: GroupManifest) -> GroupSample:
         return join_sample(row, [records[(spec.name, row.partition, offset)][index]
