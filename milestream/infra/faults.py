@@ -13,6 +13,7 @@ A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known po
 
   worker.sample_published     a rollout worker, after sending one sample of a group
   processor.took              a stream processor, a batch of records taken, before its complete groups leave
+  processor.delivered         a stream processor, groups' manifests or drops delivered, before it settles them
   engine.stepped              the CpuEngine's thread, between two steps (no lock held)
   trainer.collected           the trainer, with its batch taken, before the step
   trainer.published           the trainer, the step's weights and metrics sent, before its checkpoint

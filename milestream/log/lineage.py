@@ -5,9 +5,10 @@ killed in between redoes the step after resuming from the checkpoint before it, 
 again; buffer.metrics has one partition, so in offset order the later record of a step is the one the
 surviving model was trained on. The lineage is that record of each step.
 
-**Drops.** A group can be dropped more than once: a processor that restarts before committing re-sends
-its output, or one life of the processor emitted a group that a later life pre-drops while the trainer
-stale-drops the emitted copy. The first drop of a group wins (see ``Lineage.observe``).
+**Drops.** A group can be dropped more than once: a processor that restarts before settling re-sends its
+drop (as the first life decided it: streams/ledger.py keeps that outcome, so a later life never drops a
+group an earlier one emitted), and a trainer resumed from a checkpoint before its stale drop drops the
+group again. The first drop of a group wins (see ``Lineage.observe``).
 
 **Group fate.** Against the lineage, a group is ``trained`` (a lineage step trained it), else
 ``dropped`` (on buffer.dropped), else, when it is on buffer.groups, ``buffered`` (still waiting for

@@ -18,8 +18,8 @@ manifest) rejects it, or (a pre-drop) when it is already past the staleness wind
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Sequence
 
 from milestream.config import import_path
 from milestream.schemas import topics
@@ -145,13 +145,33 @@ class PartialGroup:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A group that left the assembler: emitted (``dropped`` is None) or dropped with its record."""
+    """A group that left the assembler: emitted (``dropped`` is None) or dropped with its record. ``manifest`` is
+    there whenever the group was complete, dropped or not."""
 
     group_id: str
     manifest: list[GroupManifest]
     handles: list[Any]
     dropped: Dropped | None = None
     partition: int = -1  # of its source records
+
+    @property
+    def drop_reason(self) -> str | None:
+        return None if self.dropped is None else self.dropped.reason
+
+    def as_decided(self, drop_reason: str | None, trainer_version: int) -> "Outcome":
+        """The group as an earlier processor life decided it (``drop_reason`` None: emitted), whatever this life's
+        verdict: that life's manifest or drop may be on the log already, and a group's fate is decided once."""
+        if drop_reason == self.drop_reason:
+            return self
+        if drop_reason is None:
+            if not self.manifest:
+                raise ValueError(f"group {self.group_id}: emitted by an earlier life, incomplete here")
+            return replace(self, dropped=None)
+        detail = f"{drop_reason}, as an earlier life of the processor decided"
+        if self.dropped is not None:
+            return replace(self, dropped=replace(self.dropped, reason=drop_reason, detail=detail))
+        return replace(self, dropped=drop_record(self.group_id, self.manifest, drop_reason, detail, "processor",
+                                                 trainer_version))
 
 
 class GroupAssembler:
@@ -197,12 +217,15 @@ class GroupAssembler:
         gone = [gid for gid, group in self.partial.items() if group.partition in partitions]
         return [self.partial.pop(gid) for gid in gone]
 
-    def expire(self, older_than_s: float) -> list[Outcome]:
-        """Drop the groups still incomplete after ``older_than_s`` seconds."""
+    def overdue(self, older_than_s: float) -> list[str]:
+        """The groups still incomplete after ``older_than_s`` seconds."""
         now = time.monotonic()
-        expired = [gid for gid, g in self.partial.items() if now - g.first_seen > older_than_s]
+        return [gid for gid, g in self.partial.items() if now - g.first_seen > older_than_s]
+
+    def expire(self, group_ids: Iterable[str]) -> list[Outcome]:
+        """Drop these incomplete groups (reason ``incomplete``)."""
         outcomes = []
-        for gid in expired:
+        for gid in group_ids:
             group = self.partial[gid]
             chunks = sum(len(c) for c in group.routing.values())
             detail = (f"{len(group.trajectories)}/{group.group_size} trajectories, {len(group.logprobs)} log-probs, "
@@ -234,10 +257,11 @@ class GroupAssembler:
         group = self.partial.pop(group_id)
         self.finished.add(group_id)
         samples = [group.trajectories[i] for i in sorted(group.trajectories)]
+        manifest = group.manifest() if group.complete() else []
         if verdict is None:
-            return Outcome(group_id, group.manifest(), group.handles, None, group.partition)
+            return Outcome(group_id, manifest, group.handles, None, group.partition)
         dropped = drop_record(group_id, samples, verdict[0], verdict[1], "processor", self.latest_version)
-        return Outcome(group_id, [], group.handles, dropped, group.partition)
+        return Outcome(group_id, manifest, group.handles, dropped, group.partition)
 
 
 def drop_record(group_id: str, samples: Sequence[Versioned], reason: str, detail: str,

@@ -15,8 +15,11 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
   it), so a redone prompt is recognised and the groups in flight can be counted.
 - queue: the groups on buffer.groups that the trainer has not taken yet, a hash of group id -> the
   group's oldest token version, so anyone can tell the queue size and the staleness of what waits.
-- settlements: whether the processor is sending a group or has settled it (emitted or dropped), and
-  the processor's totals over the run. Settling a group and its credit accounting are one atomic
+- settlements: whether the processor is sending a group, with the outcome it chose (emitted or a drop
+  reason), or has settled it, and the processor's totals over the run. The outcome chosen first stands: a
+  later life that finds a group being sent sends it the same way, because its manifest or its drop may
+  already be on the log (a stale pre-drop or an expiry depends on when it is decided, and a group both
+  trained from an earlier life's manifest and dropped by a later life's verdict would be counted twice). Settling a group and its credit accounting are one atomic
   step: an emitted group joins the queue, a dropped one gives its credit back, and a group settled
   before (re-sent after a processor restart) counts nothing.
 - taken early: the trainer can read a group before the processor has settled it (settling follows
@@ -73,12 +76,17 @@ end
 return tonumber(floor)
 """
 
-# KEYS: settlements, totals. ARGV: group id. Returns the state before (nil: first attempt).
+# KEYS: settlements, totals. ARGV: group id, the outcome chosen ("emitted" or a drop reason). Returns the state
+# before: nil (first attempt: the outcome is recorded), 'settled', or 'sending:<outcome>' (an earlier life's
+# outcome, kept).
 _BEGIN = """
 local previous = redis.call('HGET', KEYS[1], ARGV[1])
 if previous == 'settled' then return previous end
-if previous == 'sending' then redis.call('HINCRBY', KEYS[2], 'groups_resent', 1) end
-redis.call('HSET', KEYS[1], ARGV[1], 'sending')
+if previous then
+  redis.call('HINCRBY', KEYS[2], 'groups_resent', 1)
+  return previous
+end
+redis.call('HSET', KEYS[1], ARGV[1], 'sending:' .. ARGV[2])
 return previous
 """
 
@@ -124,7 +132,7 @@ class LedgerKeys:
     admitted: str  # hash: group id -> holder
     queue: str  # hash: group id -> oldest token version
     taken_early: str  # set of group ids
-    settlements: str  # hash: group id -> SENDING / SETTLED
+    settlements: str  # hash: group id -> "sending:<outcome>" / SETTLED
     totals: str  # hash: the processor's counts over the run
     prompts_admitted: str
     prompts_published: str
@@ -138,6 +146,15 @@ class LedgerKeys:
                    namespace + "processor-groups", namespace + "processor-totals",
                    namespace + "prompts-admitted", namespace + "prompts-published", namespace + "version-floor",
                    namespace + "trainer-version")
+
+
+@dataclass(frozen=True)
+class Begun:
+    """What beginning to send a group found: its state before (None: the first attempt, SENDING, SETTLED) and,
+    when an earlier life had begun to send it, the outcome that life chose (EMITTED or a drop reason)."""
+
+    before: str | None
+    decided: str | None = None
 
 
 @dataclass(frozen=True)
@@ -206,11 +223,12 @@ class BufferLedger:
     # the processor: each group settled once
     def settlement(self, group_id: str) -> str | None:
         """SENDING, SETTLED, or None when the processor never began to send the group."""
-        return _text(self.client.hget(self.keys.settlements, group_id))
+        return _begun(self.client.hget(self.keys.settlements, group_id)).before
 
-    def begin_sending(self, group_id: str) -> str | None:
-        """Mark the group as being sent; returns its state before (SENDING: an earlier life sent it)."""
-        return _text(self._begin(keys=[self.keys.settlements, self.keys.totals], args=[group_id]))
+    def begin_sending(self, group_id: str, outcome: str = EMITTED) -> Begun:
+        """Mark the group as being sent as ``outcome`` (EMITTED or a drop reason); returns what was there before
+        (``Begun.decided``: the outcome an earlier life chose, which stands)."""
+        return _begun(self._begin(keys=[self.keys.settlements, self.keys.totals], args=[group_id, outcome]))
 
     def settle(self, group_id: str, outcome: str, oldest_version: int = -1) -> bool:
         """``outcome``: EMITTED or the drop reason. False when the group had been settled before."""
@@ -227,15 +245,22 @@ class BufferLedger:
             pipe.hmget(self.keys.settlements, list(group_ids))
             pipe.hmget(self.keys.admitted, list(group_ids))
             settlements, admitted = pipe.execute()
-        return {g: (_text(s), a is not None) for g, s, a in zip(group_ids, settlements, admitted)}
+        return {g: (_begun(s).before, a is not None) for g, s, a in zip(group_ids, settlements, admitted)}
 
-    def begin_sending_many(self, group_ids: Sequence[str]) -> list[str | None]:
-        """``begin_sending`` of each group, in order."""
+    def begin_sending_many(self, decisions: Sequence[tuple[str, str]]) -> list[Begun]:
+        """``begin_sending`` of each (group id, outcome), in order."""
         keys = [self.keys.settlements, self.keys.totals]
         with self.client.pipeline(transaction=False) as pipe:
-            for group_id in group_ids:
-                self._begin(keys=keys, args=[group_id], client=pipe)
-            return [_text(v) for v in pipe.execute()]
+            for group_id, outcome in decisions:
+                self._begin(keys=keys, args=[group_id, outcome], client=pipe)
+            return [_begun(v) for v in pipe.execute()]
+
+    def decided(self, group_ids: Sequence[str]) -> dict[str, str]:
+        """The outcome chosen for each of the groups that a processor has begun, not finished, sending."""
+        if not group_ids:
+            return {}
+        found = self.client.hmget(self.keys.settlements, list(group_ids))
+        return {g: begun.decided for g, value in zip(group_ids, found) if (begun := _begun(value)).decided}
 
     def settle_many(self, settlements: Sequence[tuple[str, str, int]]) -> list[bool]:
         """``settle`` of each (group id, outcome, oldest version), in order."""
@@ -334,3 +359,12 @@ class BufferLedger:
 
 def _text(value: bytes | None) -> str | None:
     return value.decode() if value is not None else None
+
+
+def _begun(value: bytes | None) -> Begun:
+    """A settlements value read: None, SETTLED or "sending:<outcome>"."""
+    text = _text(value)
+    if text is None or text == SETTLED:
+        return Begun(text)
+    state, _, outcome = text.partition(":")
+    return Begun(state, outcome or None)

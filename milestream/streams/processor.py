@@ -31,7 +31,9 @@ Restart safety without broker transactions:
 - Which groups have left lives in Redis next to the credit (``streams.ledger``). A group's credit and queue
   accounting happen once, in the same atomic step that marks it settled; a re-read record of a settled
   group is a duplicate. A group a killed process had sent but not yet marked is sent again (counted as
-  ``groups_resent``); the trainer de-duplicates ``buffer.groups`` by group id.
+  ``groups_resent``), as that life decided (emitted, or dropped for its reason: the ledger keeps the outcome
+  chosen first), so a group is never both on ``buffer.groups`` and on ``buffer.dropped``; the trainer
+  de-duplicates ``buffer.groups`` by group id.
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class Processor:
         self.held: dict[Partition, HeldOffsets[int]] = {}  # per owned partition; a revoked one is forgotten
         self.assembler = GroupAssembler(load_filter(cfg.buffer.filter), cfg.staleness_bound, cfg.distill.enabled)
         self.ledger = BufferLedger(cfg)
+        self.assembler.latest_version = self.ledger.trainer_version() or 0  # the pre-drop's rule from the first batch
         self.producer = RecordProducer(cfg.broker, client_id="processor")
         self.consumer = SourceConsumer(cfg.broker, [*self.sources.values(), topics.WEIGHT_VERSIONS], app_id(cfg),
                                        on_revoke=self._revoked)
@@ -252,13 +255,16 @@ class Processor:
         """Send each group's manifest (or its drop record); it is settled, and its sources let go, once delivered."""
         if not outcomes:
             return
-        for outcome, before in zip(outcomes, self.ledger.begin_sending_many([o.group_id for o in outcomes])):
-            if before == SETTLED:  # settled by the member that held its partition before: a duplicate
+        decisions = [(o.group_id, o.drop_reason or EMITTED) for o in outcomes]
+        for outcome, begun in zip(outcomes, self.ledger.begin_sending_many(decisions)):
+            if begun.before == SETTLED:  # settled by the member that held its partition before: a duplicate
                 self.counts["groups_settled_before_restart"] += 1
                 self._release(outcome)
                 continue
-            if before == SENDING:
-                self.counts["groups_resent"] += 1  # an earlier life may have sent it: a possible duplicate
+            if begun.before == SENDING:  # an earlier life may have sent it: sent again as that life decided
+                self.counts["groups_resent"] += 1
+                decided = None if begun.decided == EMITTED else begun.decided
+                outcome = outcome.as_decided(decided, self.assembler.latest_version)
             spec, records = (topics.GROUPS, outcome.manifest) if outcome.dropped is None else (topics.DROPPED,
                                                                                               [outcome.dropped])
             if outcome.dropped is not None:
@@ -278,6 +284,7 @@ class Processor:
                 sent.append(outcome)
         if not sent:
             return
+        faults.hold("processor.delivered")
         settlements = [(o.group_id, EMITTED if o.dropped is None else o.dropped.reason, _oldest(o)) for o in sent]
         for outcome, first in zip(sent, self.ledger.settle_many(settlements)):
             if first:
@@ -292,7 +299,12 @@ class Processor:
             handle.release()
 
     def _expire(self) -> None:
-        self._send(self.assembler.expire(self.cfg.buffer.incomplete_after_s))
+        """Drop the groups incomplete for too long, but for one an earlier life emitted: it had every record, so
+        they are on the log, coming; its manifest may be on the log as well, so it must not be dropped."""
+        overdue = self.assembler.overdue(self.cfg.buffer.incomplete_after_s)
+        if overdue:
+            decided = self.ledger.decided(overdue)
+            self._send(self.assembler.expire(g for g in overdue if decided.get(g) != EMITTED))
 
     # ---- offsets, partitions, figures ----------------------------------------------------------------
 

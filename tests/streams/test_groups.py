@@ -115,9 +115,29 @@ def test_staleness_is_pessimistic():
 def test_incomplete_groups_expire_with_a_reason():
     assembler = Assembler()
     assembler.add(traj("g", 0))
-    (outcome,) = assembler.expire(older_than_s=-1)
+    (outcome,) = assembler.expire(assembler.overdue(older_than_s=-1))
     assert outcome.dropped.reason == "incomplete" and "1/2 trajectories" in outcome.dropped.detail
     assert assembler.add(traj("g", 1)) == (None, False)
+
+
+def test_a_group_takes_the_outcome_an_earlier_processor_life_decided():
+    assembler = Assembler(max_staleness=0)
+    assembler.latest_version = 3
+    for i in range(2):
+        assembler.add(traj("g", i, versions=(1, 2)))
+        outcome, _ = assembler.add(lp("g", i))
+    assert outcome.drop_reason == "stale" and len(outcome.manifest) == 2  # a complete group keeps its manifest
+    emitted = outcome.as_decided(None, 3)
+    assert emitted.dropped is None and emitted.manifest == outcome.manifest
+    filtered = emitted.as_decided("filtered", 3)
+    assert (filtered.drop_reason, filtered.dropped.min_version, filtered.dropped.num_samples) == ("filtered", 1, 2)
+    assert filtered.dropped.detail == "filtered, as an earlier life of the processor decided"
+    assert outcome.as_decided("stale", 3) is outcome
+    assembler.add(traj("h", 0))
+    (incomplete,) = assembler.expire(assembler.overdue(older_than_s=-1))
+    assert incomplete.manifest == [] and incomplete.as_decided("aborted", 3).drop_reason == "aborted"
+    with pytest.raises(ValueError, match="incomplete here"):
+        incomplete.as_decided(None, 3)  # the processor never expires a group an earlier life emitted
 
 
 def test_filter_is_loaded_by_import_path():

@@ -49,7 +49,7 @@ class Model:
         assert self.ledger.admit(group, "w2", 0) == COMPLETE
 
     def begin_sending(self, group: str) -> None:
-        before = self.ledger.begin_sending(group)
+        before = self.ledger.begin_sending(group).before
         assert before == (None if self.state[group] == "admitted" else SENDING)
         if self.state[group] == "admitted":
             self.state[group] = "sending"
@@ -67,7 +67,7 @@ class Model:
 
     def settle_again(self, group: str) -> None:
         assert not self.ledger.settle(group, self.rng.choice([EMITTED, "aborted"]), 1)
-        assert self.ledger.begin_sending(group) == SETTLED
+        assert self.ledger.begin_sending(group).before == SETTLED
 
     def trainer_takes(self, group: str) -> None:
         assert self.ledger.leave(group)

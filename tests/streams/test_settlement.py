@@ -5,19 +5,22 @@ from __future__ import annotations
 from synthetic import trajectory
 
 from milestream.streams.groups import GroupAssembler
-from milestream.streams.ledger import EMITTED, SENDING, SETTLED, BufferLedger
+from milestream.streams.ledger import EMITTED, SENDING, SETTLED, Begun, BufferLedger
 
 
 def test_a_group_is_settled_and_accounted_once_however_often_it_is_sent(cfg):
     ledger = BufferLedger(cfg)
     available = ledger.available()
     assert ledger.settlement("g#0") is None
-    assert ledger.begin_sending("g#0") is None
-    assert ledger.begin_sending("g#0") == SENDING  # sent again, as after a restart: a possible duplicate
+    assert ledger.begin_sending("g#0") == Begun(None)
+    # sent again, as after a restart: a possible duplicate, and the outcome chosen first stands
+    assert ledger.begin_sending("g#0", "stale") == Begun(SENDING, EMITTED)
+    assert ledger.settlement("g#0") == SENDING and ledger.decided(["g#0", "d#0"]) == {"g#0": EMITTED}
     assert ledger.settle("g#0", EMITTED, 3)
     assert not ledger.settle("g#0", EMITTED, 3)
-    assert ledger.settlement("g#0") == SETTLED and ledger.begin_sending("g#0") == SETTLED
-    assert ledger.begin_sending("d#0") is None and ledger.settle("d#0", "aborted")
+    assert ledger.settlement("g#0") == SETTLED and ledger.begin_sending("g#0") == Begun(SETTLED)
+    assert ledger.decided(["g#0"]) == {}
+    assert ledger.begin_sending("d#0", "aborted") == Begun(None) and ledger.settle("d#0", "aborted")
     assert not ledger.settle("d#0", "aborted")
     assert ledger.run_totals() == {"groups_out": 1, "groups_resent": 1, "dropped_aborted": 1}
     assert ledger.settled_or_sending() == {"g#0", "d#0"}
