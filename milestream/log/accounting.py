@@ -8,7 +8,7 @@ far the prompt feeder got (the first attempts on ``prompts``). The log is read t
 ``log/reader.py``: the archive after the broker was lost (log/restore.py, which puts it back first),
 the live broker's topics after Redis alone was lost.
 
-``derive_accounting``  credit, queue and admissions as the restarted stages must find them
+``derive_accounting``  credit, queue, admissions and the trainer's version as the restarted stages must find them
 ``rebuild_ledger``     a fresh Redis written whole: those figures, plus every group with an outcome on
                        the log as settled, the processor's run totals and the feeder's position
 ``rebuild_from_broker``  the latter for a run whose broker lives on (``milestream run`` after Redis died)
@@ -60,6 +60,12 @@ class Accounting:
     prompts_admitted: int
     held: int  # groups that will give a credit back without taking one
     in_flight: tuple[str, ...]  # of those, the groups admitted that the processor has yet to settle
+    trainer_version: int  # the newest version announced on the log (``LoggedRun.trainer_version``)
+
+    def reconciled(self, unsettled: tuple[str, ...] = ()) -> Reconciled:
+        """These figures as the ledger is rewritten to them."""
+        return Reconciled(self.credit, self.queued, self.prompts_admitted, unsettled, self.in_flight,
+                          self.trainer_version)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,14 @@ class LoggedRun:
     emitted: list[tuple[int, int, str, int]]  # buffer.groups: (partition, offset, group id, oldest version)
     drops: dict[str, dict[str, Any]]  # group id -> its first drop's reason and dropper
     trainer: TrainerPosition
+    announced: int = 0  # the newest version on weights.versions
+
+    @property
+    def trainer_version(self) -> int:
+        """The newest version the trainer announced as the log tells it: a version it raised in the ledger and
+        then died before announcing (a step killed before its checkpoint) is none; the resumed trainer redoes it.
+        Left in the ledger, the processor would pre-drop as stale groups that the resumed trainer trains."""
+        return max(self.trainer.version, self.announced)
 
     @classmethod
     def read(cls, source: LogSource, trainer: TrainerPosition) -> "LoggedRun":
@@ -100,7 +114,9 @@ class LoggedRun:
         for m in fields(topics.DROPPED, ("group_id", "reason", "dropped_by")):
             for record in m.records:
                 drops.setdefault(record["group_id"], record)  # the first drop wins (log/lineage.py)
-        return cls(prompts, len(first), sources, emitted, drops, trainer)
+        announced = max((v["version"] for m in fields(topics.WEIGHT_VERSIONS, ("version",)) for v in m.records),
+                        default=0)
+        return cls(prompts, len(first), sources, emitted, drops, trainer, announced)
 
     @property
     def entered(self) -> set[str]:
@@ -145,16 +161,14 @@ def derive_accounting(cfg: Config, run: LoggedRun, rollout_offsets: dict[int, in
         log.warning("more groups hold a credit (%d) than the buffer's capacity (%d): rollout waits until they leave",
                     held, cfg.buffer_capacity)
     return Accounting(cfg.buffer_capacity - held, to_collect, max(0, prompts_published - len(unread)), held,
-                      tuple(sorted(pending)))
+                      tuple(sorted(pending)), run.trainer_version)
 
 
 def rebuild_ledger(cfg: Config, run: LoggedRun, rollout_offsets: dict[int, int]) -> Accounting:
     """Write a fresh Redis's ledger whole from the log; call with every stage stopped."""
     accounting = derive_accounting(cfg, run, rollout_offsets, run.first_attempts)
-    BufferLedger(cfg).rebuild(Reconciled(accounting.credit, accounting.queued, accounting.prompts_admitted,
-                                         admitted=accounting.in_flight),
-                              settled=run.left, totals=run.processor_totals(), prompts_published=run.first_attempts,
-                              trainer_version=run.trainer.version)
+    BufferLedger(cfg).rebuild(accounting.reconciled(), settled=run.left, totals=run.processor_totals(),
+                              prompts_published=run.first_attempts)
     log.info("rebuilt the buffer ledger from the log: %s; %d groups settled, the feeder at %d", accounting,
              len(run.left), run.first_attempts)
     return accounting

@@ -40,7 +40,7 @@ from milestream.log.accounting import Accounting, LoggedRun, derive_accounting, 
 from milestream.log.archive import ArchiveState, archived_raw, load_manifest, segment_paths
 from milestream.log.reader import ArchiveSource, SkipBadRecords
 from milestream.schemas import topics
-from milestream.streams.ledger import BufferLedger, Reconciled
+from milestream.streams.ledger import BufferLedger
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,7 @@ def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_gro
         return rebuild_ledger(cfg, run, rollout_offsets)
     ledger = BufferLedger(cfg)
     figures = derive_accounting(cfg, run, rollout_offsets, ledger.prompts_published())
-    ledger.reconcile(Reconciled(figures.credit, figures.queued, figures.prompts_admitted, tuple(unsettled),
-                                figures.in_flight))
+    ledger.reconcile(figures.reconciled(tuple(unsettled)))
     log.info("reconciled the buffer: %s; %d groups the processor settled have no archived outcome", figures,
              len(unsettled))
     return figures

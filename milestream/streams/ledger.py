@@ -30,7 +30,8 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
   admit a prompt. The trainer raises it before it gives a batch's credit back, so the credit it frees
   admits only prompts that a version new enough will generate.
 - the trainer's version: the newest it has announced, raised before each announcement, so a reader of
-  weights.versions can tell an announcement from the future (not the trainer's) from a real one.
+  weights.versions can tell an announcement from the future (not the trainer's) from a real one. After a
+  lost broker or Redis it is set to the newest version on the log, lowered if need be.
 
 A resumed run finds these keys as the stopped run left them; ``reconcile`` rewrites them from the log
 after the broker was lost, ``rebuild`` writes them all on a fresh Redis after Redis was lost
@@ -166,6 +167,7 @@ class Reconciled:
     prompts_admitted: int
     unsettled: tuple[str, ...] = ()  # groups to forget as settled: the processor redoes them
     admitted: tuple[str, ...] = ()  # groups in flight: admitted, not settled, their prompts not to be read again
+    trainer_version: int | None = None  # the newest version announced on the log; None: left as it is
 
 
 class BufferLedger:
@@ -336,14 +338,15 @@ class BufferLedger:
             tx.set(self.keys.prompts_admitted, figures.prompts_admitted)
             if figures.unsettled:
                 tx.hdel(self.keys.settlements, *figures.unsettled)
+            if figures.trainer_version is not None:  # lowered too: past it, a killed trainer's phantom
+                tx.set(self.keys.trainer_version, figures.trainer_version)
             tx.execute()
 
     # a run whose Redis was lost: a fresh server holds nothing, so every key comes back from the log
     def rebuild(self, figures: Reconciled, settled: Iterable[str], totals: Mapping[str, int],
-                prompts_published: int, trainer_version: int) -> None:
+                prompts_published: int) -> None:
         """``reconcile`` on a fresh Redis, plus what it keeps of a surviving one: the groups the processor
-        settled (every group with an outcome on the log), its run totals, the feeder's position and the
-        trainer's version (its checkpoint's: a version announced past it is redone and announced again).
+        settled (every group with an outcome on the log), its run totals and the feeder's position.
         Call with every stage stopped."""
         with self.client.pipeline(transaction=True) as tx:
             tx.delete(self.keys.settlements, self.keys.totals)
@@ -352,7 +355,6 @@ class BufferLedger:
             if totals:
                 tx.hset(self.keys.totals, mapping=dict(totals))
             tx.set(self.keys.prompts_published, prompts_published)
-            tx.set(self.keys.trainer_version, trainer_version)
             tx.execute()
         self.reconcile(figures)
 

@@ -120,8 +120,10 @@ def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups
         ledger.begin_sending(group)
     ledger.leave("early#0")  # taken early before the broker was lost
     ledger.admit("lost#0", "w", 0)  # admitted in the lost broker's run: the log says nothing of it
+    ledger.raise_trainer_version(5)  # raised by a trainer killed before it announced 5: the log ends at 4
     ledger.reconcile(Reconciled(credit=3, queue={"q#0": 2}, prompts_admitted=7, unsettled=("redo#0",),
-                                admitted=("f#0",)))
+                                admitted=("f#0",), trainer_version=4))
+    assert ledger.trainer_version() == 4
     assert ledger.available() == 3 and ledger.queued_versions() == [2] and ledger.prompts_admitted() == 7
     assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("f#0", "w", 0) == READMITTED
     assert ledger.settlement("redo#0") is None and ledger.settlement("early#0") == SENDING
@@ -132,8 +134,8 @@ def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups
 def test_rebuild_writes_every_key_of_a_fresh_ledger(cfg):
     ledger = BufferLedger(cfg)
     assert ledger.capacity == 4
-    ledger.rebuild(Reconciled(credit=2, queue={"q#0": 1}, prompts_admitted=3, admitted=("f#0",)), settled=["q#0", "gone#0"],
-                   totals={"groups_out": 1, "dropped_filtered": 1}, prompts_published=5, trainer_version=7)
+    ledger.rebuild(Reconciled(credit=2, queue={"q#0": 1}, prompts_admitted=3, admitted=("f#0",), trainer_version=7),
+                   settled=["q#0", "gone#0"], totals={"groups_out": 1, "dropped_filtered": 1}, prompts_published=5)
     assert ledger.available() == 2 and ledger.queued_versions() == [1] and ledger.prompts_admitted() == 3
     assert ledger.trainer_version() == 7
     assert ledger.prompts_published() == 5 and ledger.run_totals() == {"groups_out": 1, "dropped_filtered": 1}
