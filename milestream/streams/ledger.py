@@ -19,9 +19,10 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
   reason), or has settled it, and the processor's totals over the run. The outcome chosen first stands: a
   later life that finds a group being sent sends it the same way, because its manifest or its drop may
   already be on the log (a stale pre-drop or an expiry depends on when it is decided, and a group both
-  trained from an earlier life's manifest and dropped by a later life's verdict would be counted twice). Settling a group and its credit accounting are one atomic
-  step: an emitted group joins the queue, a dropped one gives its credit back, and a group settled
-  before (re-sent after a processor restart) counts nothing.
+  trained from an earlier life's manifest and dropped by a later life's verdict would be counted twice).
+  Settling a group and its credit accounting are one atomic step: an emitted group joins the queue, a
+  dropped one gives its credit back, and a group settled before (re-sent after a processor restart)
+  counts nothing.
 - taken early: the trainer can read a group before the processor has settled it (settling follows
   the broker's delivery report); such a group is noted, and settling it gives its credit back
   instead of queuing it. Either way, and however often the trainer takes it, the credit comes back once.

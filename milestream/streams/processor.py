@@ -263,8 +263,9 @@ class Processor:
                 continue
             if begun.before == SENDING:  # an earlier life may have sent it: sent again as that life decided
                 self.counts["groups_resent"] += 1
-                decided = None if begun.decided == EMITTED else begun.decided
-                outcome = outcome.as_decided(decided, self.assembler.latest_version)
+                if begun.decided is not None:  # (a ledger written before outcomes were kept has none)
+                    decided = None if begun.decided == EMITTED else begun.decided
+                    outcome = outcome.as_decided(decided, self.assembler.latest_version)
             spec, records = (topics.GROUPS, outcome.manifest) if outcome.dropped is None else (topics.DROPPED,
                                                                                               [outcome.dropped])
             if outcome.dropped is not None:
