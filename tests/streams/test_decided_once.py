@@ -16,6 +16,7 @@ from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
 from milestream.streams.ledger import SENDING, SETTLED, BufferLedger
 
+
 def publish(cfg, group_id: str) -> None:
     producer = RecordProducer(cfg.broker, client_id="decided-once-test")
     for spec, record in group_records(group_id, cfg.rollout.group_size):  # every token of version 0
@@ -23,9 +24,17 @@ def publish(cfg, group_id: str) -> None:
     producer.flush()
 
 
+def values_on(cfg, spec: topics.TopicSpec) -> list[list]:
+    """The records of each value on ``spec`` (a group's manifest, a drop)."""
+    reader = topic_reader(cfg, spec)
+    try:
+        return [delivery.records for delivery in reader.drain(idle_s=2.0)]
+    finally:
+        reader.close()
+
+
 def groups_on(cfg, spec: topics.TopicSpec) -> list[str]:
-    return [record.group_id for record in read_records(cfg, spec) if record.sample_index == 0] \
-        if spec is topics.GROUPS else [record.group_id for record in read_records(cfg, spec)]
+    return [records[0].group_id for records in values_on(cfg, spec)]
 
 
 def kill_after_delivery(cfg, tmp_path, monkeypatch, group_id: str) -> BufferLedger:
@@ -62,14 +71,6 @@ def settle_in_a_later_life(later_cfg, tmp_path, ledger: BufferLedger, group_id: 
         later.stop()
 
 
-def read_records(cfg, spec: topics.TopicSpec) -> list:
-    reader = topic_reader(cfg, spec)
-    try:
-        return [r for d in reader.drain(idle_s=2.0) for r in d.records]
-    finally:
-        reader.close()
-
-
 def test_a_group_emitted_by_a_killed_life_is_not_pre_dropped_by_the_next(cfg, tmp_path, monkeypatch):
     cfg = with_credit(cfg, 1).with_overrides(buffer={"max_staleness": 2})
     ledger = kill_after_delivery(cfg, tmp_path, monkeypatch, "kept#0")
@@ -91,7 +92,7 @@ def test_a_group_dropped_by_a_killed_life_stays_dropped_when_the_next_would_keep
     # the run restarted with a wider window: the later life alone would emit the group
     settle_in_a_later_life(cfg.with_overrides(buffer={"max_staleness": 10}), tmp_path, ledger, "gone#0")
     assert groups_on(cfg, topics.GROUPS) == []
-    drops = read_records(cfg, topics.DROPPED)
+    drops = [drop for records in values_on(cfg, topics.DROPPED) for drop in records]
     assert [d.reason for d in drops] == ["stale", "stale"], drops
     assert drops[1].detail == "stale, as an earlier life of the processor decided"
     totals = ledger.run_totals()
