@@ -232,15 +232,19 @@ class RecordConsumer(Generic[R]):
 
     def keep_place(self, seconds: float) -> None:
         """Serve the group for ``seconds`` (its rebalances, its heartbeats) without taking a record: a member
-        busy elsewhere keeps its place, and a worker joining or leaving never waits for it."""
-        paused = [TopicPartition(self.topic, p) for p in self.owned]
-        self.consumer.pause(paused)
+        busy elsewhere keeps its place, and a worker joining or leaving never waits for it.
+
+        Every partition paused here is resumed, revoked during the poll or not: librdkafka keeps a partition's
+        pause across rebalances, so one revoked while paused would come back to this member paused, and it
+        would hold that partition's prompts without ever reading them (the elastic test's stall)."""
+        paused = set(self.owned)
+        self.consumer.pause([TopicPartition(self.topic, p) for p in paused])
         try:
             msg = self.consumer.poll(seconds)
             if msg is not None and msg.error() is None:  # from a partition assigned during the poll: put it back
                 self.consumer.seek(TopicPartition(msg.topic(), msg.partition(), msg.offset()))
         finally:
-            self.consumer.resume([TopicPartition(self.topic, p) for p in self.owned])
+            self.consumer.resume([TopicPartition(self.topic, p) for p in sorted(paused | self.owned)])
 
     def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Delivery[R]]:
         """Everything until the topic stays quiet for ``idle_s`` (tansu's end offsets are unreliable)."""
