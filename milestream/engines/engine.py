@@ -19,16 +19,18 @@ from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers import DynamicCache, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from milestream.config import ModelConfig, RolloutConfig
 from milestream.infra import faults, on_policy
 from milestream.infra.model import compute_dtype, load_model, load_trainable_state_dict, stop_token_ids
 from milestream.engines.moe_routing import RecordedRouting, RoutingTap, RowRouting
-from milestream.engines.scoring import ScoreRequest, left_padded, score_batch
+from milestream.engines.scoring import ScoreRequest, full_kv_cache, left_padded, score_batch
 
 FinishReason = Literal["stop", "length", "abort"]
 InflightPolicy = Literal["abort", "keep", "retract"]  # config.WeightsConfig.inflight
+SERVED_LAYERS = ("full_attention", "sliding_attention")  # transformers' layer types the CPU engine batches
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,18 @@ class Engine(Protocol):
     async def resume(self) -> None: ...
 
     async def update_weights(self, version: int, tensors: dict[str, Tensor]) -> None: ...
+
+
+def unserved(config: PretrainedConfig) -> str | None:
+    """What keeps the CPU engine from serving a model of this configuration, or None. Its batches left-pad
+    rows of different lengths and cut and join their KV caches, which layers of full or sliding-window
+    attention take (a row's keys are one run, the mask places the window); chunked attention (chunks
+    counted from the padded start) and layers of recurrent state (linear attention, convolutions) do not."""
+    other = sorted(set(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]) - set(SERVED_LAYERS))
+    if not other:
+        return None
+    return (f"has {', '.join(other)} layers, which the CPU engine does not batch (it serves "
+            f"{' and '.join(SERVED_LAYERS)} layers); serve the model behind rollout.engine_url")
 
 
 def sampling_params(rollout_cfg: RolloutConfig, tokenizer: PreTrainedTokenizerBase) -> SamplingParams:
@@ -143,7 +157,7 @@ class _Batch:
     column for everyone."""
 
     rows: list[_Row]
-    cache: DynamicCache  # full-attention DynamicLayers: their keys/values are edited in place here
+    cache: DynamicCache  # full_kv_cache: every layer keeps all its keys, edited in place here
     mask: Tensor  # [B, L] 1 where the cache holds a real token
     last: Tensor  # [B] the token each row feeds next
     pos: Tensor  # [B] its position id (real tokens before it)
@@ -172,8 +186,10 @@ class CpuEngine:
         self._compute_dtype = compute_dtype(model_cfg)
         self.model: nn.Module = load_model(model_cfg, dtype=torch.float32 if self._exact else self._compute_dtype)
         self.model.requires_grad_(False)
+        if reason := unserved(self.model.config):
+            raise ValueError(f"{type(self.model).__name__} {reason}")
         if self._exact:
-            on_policy.make_exact(self.model)
+            on_policy.make_exact(self.model, rollout_cfg.max_context_tokens)
             on_policy.cast_linear_weights(self.model, self._compute_dtype)
         self._routing_tap = RoutingTap.attach(self.model)  # None: a dense model, nothing to record
         self._max_batch = rollout_cfg.max_batch
@@ -228,7 +244,7 @@ class CpuEngine:
 
     def _score(self, requests: list[ScoreRequest]) -> list[list[float]]:
         with self._step_lock, torch.inference_mode():
-            return score_batch(self._forward, self.model.config, requests)
+            return score_batch(self._forward, requests)
 
     async def close(self) -> None:
         """Stops the worker; requests still in flight resolve with finish_reason "abort"."""
@@ -347,7 +363,7 @@ class CpuEngine:
             prompts.setdefault(row.context(), len(prompts))
         ids, mask = left_padded(list(prompts))
         width = ids.shape[1]
-        cache = DynamicCache(config=self.model.config)
+        cache = full_kv_cache()
         logits = self._forward(
             input_ids=ids,
             attention_mask=mask,

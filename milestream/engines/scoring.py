@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PretrainedConfig
+from transformers import DynamicCache
 
 from milestream.infra import on_policy
 
@@ -42,8 +42,16 @@ def left_padded(contexts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def score_batch(forward: Callable[..., Any], model_config: PretrainedConfig,
-                requests: Sequence[ScoreRequest]) -> list[list[float]]:
+def full_kv_cache() -> DynamicCache:
+    """A KV cache that keeps every key of every layer, the mask alone applying a sliding window (as in a
+    forward without cache). One built from the model's config keeps only the last ``sliding_window - 1``
+    keys of a sliding-window layer (Gemma 2 and 3, Mistral): that length stops matching a mask over the
+    whole left-padded context once a row passes the window, and the engine's edits (rows merged, leading
+    padding dropped) would cut keys the layer no longer holds."""
+    return DynamicCache()
+
+
+def score_batch(forward: Callable[..., Any], requests: Sequence[ScoreRequest]) -> list[list[float]]:
     """The log-probs of ``requests`` under ``forward`` (a model call): each distinct prompt runs once
     (left-padded), its KV cache copied to every response that follows it; then all responses at once,
     right-padded, each after its prompt."""
@@ -55,7 +63,7 @@ def score_batch(forward: Callable[..., Any], model_config: PretrainedConfig,
     for i in rows:
         prompts.setdefault(tuple(requests[i].prompt_ids), len(prompts))
     ids, mask = left_padded(list(prompts))
-    cache = DynamicCache(config=model_config)
+    cache = full_kv_cache()
     first = forward(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                     past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     index = torch.tensor([prompts[tuple(requests[i].prompt_ids)] for i in rows])

@@ -22,8 +22,9 @@ dtype path      the engine computes as the trainer does: fp32 weights and residu
                 engine holds what it held before, bf16 weights, but fp32 norms and embeddings.
 
 ``scaled_logits`` is the last step both sides share: the logits in fp32 divided by the temperature,
-before log_softmax. What stays outside: MoE routing (expert loops), other attention layouts
-(sliding windows, packed sequences: refused), and backends other than ``local``.
+before log_softmax. What stays outside: MoE routing (expert loops), other attention layouts (a sliding
+window shorter than rollout.max_context_tokens, refused before any stage starts; packed sequences,
+refused at the forward), and backends other than ``local``.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 EXACT_ATTENTION = "milestream_exact"
@@ -67,15 +69,32 @@ class RowBlockLinear(nn.Linear):
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
-def make_exact(model: nn.Module) -> nn.Module:
+def refusal(config: PretrainedConfig, context: int | None = None) -> str | None:
+    """Why exact attention cannot compute this model's forward, or None: it caps attention logits, or
+    (``context``: the most tokens a sequence takes, rollout.max_context_tokens) it has sliding-window
+    layers whose window is shorter (Gemma 2 and 3: a query attends over the last ``sliding_window``
+    tokens only, and exact attention gives each query every key from its row's first)."""
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "attn_logit_softcapping", None):
+        return "caps its attention logits, which exact attention does not; set rollout.true_on_policy=false"
+    window = getattr(text, "sliding_window", None)
+    sliding = window is not None and "sliding_attention" in get_layer_types_and_kwargs(text)[0]
+    if sliding and context is not None and window < context:
+        return (f"has sliding-window layers that attend over the last {window} tokens only, fewer than "
+                f"rollout.max_context_tokens ({context}), and exact attention has no window; set "
+                f"rollout.max_context_tokens to at most {window}, or rollout.true_on_policy=false")
+    return None
+
+
+def make_exact(model: nn.Module, context: int | None = None) -> nn.Module:
     """``model`` (plain or peft-wrapped) in place: exact attention, every nn.Linear a RowBlockLinear
-    (same parameters and names, so weight updates, checkpoints and exports do not change)."""
+    (same parameters and names, so weight updates, checkpoints and exports do not change). Refuses what
+    ``refusal`` names, for sequences of up to ``context`` tokens."""
     _register()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     refused = f"rollout.true_on_policy: {type(base).__name__}"
-    if getattr(base.config.get_text_config(), "attn_logit_softcapping", None):
-        raise ValueError(f"{refused} caps its attention logits, which exact attention does not; "
-                         "set rollout.true_on_policy=false")
+    if reason := refusal(base.config, context):
+        raise ValueError(f"{refused} {reason}")
     base.set_attn_implementation(EXACT_ATTENTION)
     if base.config._attn_implementation != EXACT_ATTENTION:
         raise ValueError(f"{refused} does not take an attention implementation; set rollout.true_on_policy=false")

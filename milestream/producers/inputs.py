@@ -3,14 +3,17 @@ and each prompt a rollout worker reads (``check_prompt``): the prompts topic is 
 
 Every data source and ``eval.path`` is read and mapped (a missing file or column, a malformed JSONL
 line, an empty data set are errors naming file and line or column), the reward's import path is
-resolved, and every file prompt must fit the context with ``rollout.max_new_tokens`` to spare.
+resolved, and every file prompt must fit the context with ``rollout.max_new_tokens`` to spare. A model.path
+folder of a family the run cannot serve is refused, naming what it lacks.
 """
 from __future__ import annotations
 
 import re
 
 from milestream.config import Config
-from milestream.infra.model import load_tokenizer
+from milestream.engines.engine import unserved
+from milestream.infra import on_policy
+from milestream.infra.model import ModelFolderError, load_tokenizer, model_config
 from milestream.producers.data import DataError, held_out, prompt_messages, source_named, sources
 from milestream.producers.rewards import load_reward
 from milestream.producers.tasks import chat_input_ids
@@ -23,8 +26,23 @@ def context_limit(cfg: Config) -> int:
     return cfg.rollout.max_context_tokens
 
 
+def check_model(cfg: Config) -> None:
+    """Raise ModelFolderError when model.path holds a model the CPU engine cannot batch (engines/engine.py
+    ``unserved``) or, under rollout.true_on_policy, one exact attention cannot compute (infra/on_policy.py
+    ``refusal``); the built-in models are served."""
+    if not cfg.model.path:
+        return
+    config = model_config(cfg.model)
+    where = f"model.path {cfg.model.path} ({config.model_type})"
+    if cfg.rollout.engine_url is None and (reason := unserved(config)):
+        raise ModelFolderError(f"{where} {reason}")
+    if cfg.rollout.true_on_policy and (reason := on_policy.refusal(config, cfg.rollout.max_context_tokens)):
+        raise ModelFolderError(f"rollout.true_on_policy: {where} {reason}")
+
+
 def check_inputs(cfg: Config) -> None:
-    """Raise DataError naming what is wrong with the run's inputs."""
+    """Raise DataError (ModelFolderError for the model) naming what is wrong with the run's inputs."""
+    check_model(cfg)
     all_sources = sources(cfg)
     if cfg.eval.mode is not None:
         held_out(cfg)

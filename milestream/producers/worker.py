@@ -309,7 +309,7 @@ class RolloutWorker:
             raise
         except Exception as exc:  # noqa: BLE001 - the engine's or a plug-in's failure becomes the group's record
             error = describe(exc)
-            log.error("group %s failed: %s", group.group_id, error)
+            log.error("group %s failed: %s", group.group_id, error, exc_info=exc)  # the traceback, once per group
             self._publish_unfinished(group, published, "error", error)
             if self.errors.add(error):
                 self._give_up()

@@ -15,7 +15,7 @@ from milestream.config import Config
 from milestream.engines.engine import CpuEngine, GenerateRequest, SamplingParams
 from milestream.engines.http_engine import HttpEngine
 from milestream.engines.scoring import ScoreRequest
-from servers import MODEL, post_json, ready_urls, start, stop
+from milestream_testkit.servers import MODEL, post_json, ready_urls, start, stop
 
 PROMPTS = {(1, 2, 3, 4, 5): 1.0, (9, 8, 7): 0.7, tuple(range(100, 137)): 1.3}
 
