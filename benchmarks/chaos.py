@@ -17,6 +17,11 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
   groups_lost           groups on buffer.groups neither trained, dropped, nor waiting in the buffer
   groups_duplicated     groups trained more than once; groups_trained_and_dropped likewise
   exact                 none lost, duplicated, both trained and dropped, no step missing (log/audit.py)
+  offending             when not exact: per offending group, its records on every topic, its decisions
+                        (emitted, dropped, trained: by which stage life, at which step and trainer version;
+                        log/audit.py ``explain``) and ``kills_around``: [time, target] of the kills within
+                        ``--window-s`` of them (times: seconds since the epoch, as the decisions'). The run
+                        folder is then kept, and its path printed (``run_dir``)
   complete_groups_without_outcome  every sample on rollout.trajectories, yet neither emitted nor dropped:
                         lost before buffer.groups (where the audit starts), or still in the processor at the end
   stalled               null, or the step after which no step came for ``--stall-s`` seconds, and the
@@ -35,7 +40,7 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
   baseline_median_gap_s the median interval between two steps with no kill of anything within that
                         window, in the same run; gap_ratio = max_gap_after_rollout_kill_s / it
 
-    python benchmarks/chaos.py --kills 30 [--seed 1] [--steps N] [--tiny] [--set section.key=value ...]
+    .venv/bin/python benchmarks/chaos.py --kills 30 [--seed 1] [--steps N] [--tiny] [--set section.key=value ...]
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import collections
 import json
 import random
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,7 +65,7 @@ from milestream.observe.report import summarise
 from milestream.schemas import topics
 from milestream.infra.secret_env import run_environment
 from milestream.streams.ledger import BufferLedger
-from tests.chaos import SERVICES, STAGES, sigkill, targets
+from milestream_testkit.chaos import SERVICES, STAGES, sigkill, targets
 
 TINY = ["model.name=tiny-random", "model.dtype=float32", "rollout.group_size=4", "rollout.max_new_tokens=6",
         "rollout.max_inflight_samples=8", "trainer.batch_groups=2", "trainer.checkpoint_every=1", "eval.mode=null"]
@@ -82,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--targets", default=",".join([*STAGES, *SERVICES]), help="what may be killed (comma-separated)")
     parser.add_argument("--stall-s", type=float, default=600.0, help="a run without a trainer step this long "
                         "is stalled: its ledger's balance is taken and it is interrupted")
-    parser.add_argument("--run-dir", help="default: a temporary folder")
+    parser.add_argument("--run-dir", help="default: a temporary folder, removed unless the audit is not exact")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     return parser.parse_args()
 
@@ -232,6 +238,8 @@ def audit_figures(run_dir: Path, group_size: int, kills: list[tuple[float, str]]
     """Everything but the ledger's balance from the archived log and the last checkpoint alone."""
     audit, lineage = audit_run(run_dir), archived_lineage(run_dir)
     summary = summarise(lineage, 0.0)
+    offending = {group_id: {**evidence, "kills_around": kills_around(evidence["decisions"], kills, window_s)}
+                 for group_id, evidence in audit.evidence.items()}
     decided = lineage.emitted.keys() | lineage.drops.keys() | lineage.training().keys()
     return {"steps": audit.steps, "groups_lost": len(audit.groups_lost),
             "groups_duplicated": len(audit.groups_duplicated),
@@ -239,9 +247,18 @@ def audit_figures(run_dir: Path, group_size: int, kills: list[tuple[float, str]]
             "complete_groups_without_outcome": complete_without_outcome(run_dir, group_size, decided),
             "groups_trained": audit.groups_trained, "groups_dropped": lineage.drop_reasons(),
             "steps_redone": audit.step_records - audit.steps, "missing_steps": audit.missing_steps,
-            "exact": audit.exact, "reward_first": round(summary["reward_first_quarter"], 4),
+            "exact": audit.exact, **({"offending": offending} if offending else {}),
+            "reward_first": round(summary["reward_first_quarter"], 4),
             "reward_last": round(summary["reward_last_quarter"], 4),
             **step_gaps(step_record_times(run_dir), kills, window_s, stalled_at)}
+
+
+def kills_around(decisions: list[dict], kills: list[tuple[float, str]], window_s: float) -> list[list]:
+    """The kills from ``window_s`` before a group's first decision to ``window_s`` after its last."""
+    times = [d["time"] for d in decisions]
+    if not times:
+        return []
+    return [[round(t, 3), name] for t, name in kills if min(times) - window_s <= t <= max(times) + window_s]
 
 
 def step_record_times(run_dir: Path) -> list[float]:
@@ -262,32 +279,45 @@ def ledger_figures(run_dir: Path, buffer: dict | None) -> dict:
             "in_flight_without_records": buffer["in_flight"] - len(logged.entered - logged.left)}
 
 
+def chaos_run(args: argparse.Namespace, run_dir: Path) -> dict:
+    """The run under random kills, audited: the JSON line's figures."""
+    overrides = run_overrides(args, run_dir)
+    cfg = load_config(None, overrides)
+    started = time.monotonic()
+    run = Run(overrides, run_dir, args.stall_s)
+    try:
+        kills = kill_at_random(args, run, cfg.trainer.steps, random.Random(args.seed))
+    finally:
+        code, stall = run.finish(hang_guard_s=cfg.run.max_wall_s + 900)  # the run has its own budget
+    stalled_at = stall.pop("at") if stall else None
+    summary_path = run_dir / "summary.json"
+    buffer = json.loads(summary_path.read_text()).get("buffer") if summary_path.exists() else None
+    result = {"kills": dict(collections.Counter(name for _, name in kills)), "kills_total": len(kills),
+              "kill_log": [[round(t - run.started, 1), name] for t, name in kills],
+              "run_exit": code, "stalled": stall, "steps_planned": cfg.trainer.steps,
+              "wall_s": round(time.monotonic() - started, 1)}
+    if code != 0 and stall is None:  # a stalled run was interrupted here
+        result["run_error"] = run.err_path.read_text(errors="replace").splitlines()[-5:]
+    try:
+        result |= ledger_figures(run_dir, buffer or (stall or {}).get("buffer"))
+        result |= audit_figures(run_dir, cfg.rollout.group_size, kills, args.window_s, stalled_at)
+    except Exception as exc:  # noqa: BLE001 - an unreadable log is a finding too
+        result["audit_error"] = repr(exc)
+    return result
+
+
 def main() -> None:
     args = parse_args()
-    with tempfile.TemporaryDirectory() as workdir:
-        run_dir = Path(args.run_dir or Path(workdir) / "chaos")
-        overrides = run_overrides(args, run_dir)
-        cfg = load_config(None, overrides)
-        started = time.monotonic()
-        run = Run(overrides, run_dir, args.stall_s)
-        try:
-            kills = kill_at_random(args, run, cfg.trainer.steps, random.Random(args.seed))
-        finally:
-            code, stall = run.finish(hang_guard_s=cfg.run.max_wall_s + 900)  # the run has its own budget
-        stalled_at = stall.pop("at") if stall else None
-        summary_path = run_dir / "summary.json"
-        buffer = json.loads(summary_path.read_text()).get("buffer") if summary_path.exists() else None
-        result = {"kills": dict(collections.Counter(name for _, name in kills)), "kills_total": len(kills),
-                  "kill_log": [[round(t - run.started, 1), name] for t, name in kills],
-                  "run_exit": code, "stalled": stall, "steps_planned": cfg.trainer.steps,
-                  "wall_s": round(time.monotonic() - started, 1)}
-        if code != 0 and stall is None:  # a stalled run was interrupted here
-            result["run_error"] = run.err_path.read_text(errors="replace").splitlines()[-5:]
-        try:
-            result |= ledger_figures(run_dir, buffer or (stall or {}).get("buffer"))
-            result |= audit_figures(run_dir, cfg.rollout.group_size, kills, args.window_s, stalled_at)
-        except Exception as exc:  # noqa: BLE001 - an unreadable log is a finding too
-            result["audit_error"] = repr(exc)
+    workdir = None if args.run_dir else Path(tempfile.mkdtemp(prefix="milestream-chaos-"))
+    run_dir = Path(args.run_dir) if args.run_dir else workdir / "chaos"
+    result = chaos_run(args, run_dir)  # should it raise, its folder stays too
+    if not result.get("exact"):  # the evidence survives the run: its folder is kept
+        result["run_dir"] = str(run_dir)
+        print(f"the audit is not exact: the run folder is kept at {run_dir}", file=sys.stderr)
+        for group_id, evidence in result.get("offending", {}).items():
+            print(f"offending group {group_id}: {json.dumps(evidence, indent=1)}", file=sys.stderr)
+    elif workdir is not None:
+        shutil.rmtree(workdir)
     print(json.dumps(result))
 
 

@@ -10,7 +10,8 @@ the live broker's topics after Redis alone was lost.
 
 ``derive_accounting``  credit, queue, admissions and the trainer's version as the restarted stages must find them
 ``rebuild_ledger``     a fresh Redis written whole: those figures, plus every group with an outcome on
-                       the log as settled, the processor's run totals and the feeder's position
+                       the log as settled, the processor's run totals, the feeder's position and the
+                       trainer's drops
 ``rebuild_from_broker``  the latter for a run whose broker lives on (``milestream run`` after Redis died)
 
 Nothing comes from a Redis snapshot: the embedded redis-server persists nothing (infra/services.py).
@@ -29,7 +30,7 @@ from milestream.log.lineage import TrainerPosition, dead_lettered
 from milestream.log.reader import BrokerSource, LogSource, SkipBadRecords
 from milestream.schemas import topics
 from milestream.streams.groups import source_topics
-from milestream.streams.ledger import BufferLedger, Reconciled
+from milestream.streams.ledger import BufferLedger, Reconciled, TrainerDrop
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class LoggedRun:
             oldest = min((sample["min_version"] for sample in m.records if sample["min_version"] >= 0), default=-1)
             emitted.append((m.partition, m.offset, m.records[0]["group_id"], oldest))
         drops: dict[str, dict[str, Any]] = {}
-        for m in fields(topics.DROPPED, ("group_id", "reason", "dropped_by")):
+        for m in fields(topics.DROPPED, ("group_id", "reason", "dropped_by", "trainer_version")):
             for record in m.records:
                 drops.setdefault(record["group_id"], record)  # the first drop wins (log/lineage.py)
         announced = max((v["version"] for m in fields(topics.WEIGHT_VERSIONS, ("version",)) for v in m.records),
@@ -127,6 +128,11 @@ class LoggedRun:
         """Groups with an outcome: each was settled by the processor. The trainer saw what it took or
         dropped, though a broker crash may have lost its buffer.groups record from the archive."""
         return {g for _, _, g, _ in self.emitted} | self.drops.keys() | self.trainer.seen_groups
+
+    def trainer_drops(self) -> dict[str, TrainerDrop]:
+        """The groups the trainer dropped, as it decided (streams/ledger.py: a later life drops them again)."""
+        return {g: TrainerDrop(d["reason"], d["trainer_version"]) for g, d in self.drops.items()
+                if d["dropped_by"] == "trainer"}
 
     def processor_totals(self) -> dict[str, int]:
         """The processor's run totals (streams/ledger.py) as far as the log tells: groups out, drops by reason."""
@@ -168,7 +174,7 @@ def rebuild_ledger(cfg: Config, run: LoggedRun, rollout_offsets: dict[int, int])
     """Write a fresh Redis's ledger whole from the log; call with every stage stopped."""
     accounting = derive_accounting(cfg, run, rollout_offsets, run.first_attempts)
     BufferLedger(cfg).rebuild(accounting.reconciled(), settled=run.left, totals=run.processor_totals(),
-                              prompts_published=run.first_attempts)
+                              prompts_published=run.first_attempts, trainer_drops=run.trainer_drops())
     log.info("rebuilt the buffer ledger from the log: %s; %d groups settled, the feeder at %d", accounting,
              len(run.left), run.first_attempts)
     return accounting

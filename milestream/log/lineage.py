@@ -7,8 +7,10 @@ surviving model was trained on. The lineage is that record of each step.
 
 **Drops.** A group can be dropped more than once: a processor that restarts before settling re-sends its
 drop (as the first life decided it: streams/ledger.py keeps that outcome, so a later life never drops a
-group an earlier one emitted), and a trainer resumed from a checkpoint before its stale drop drops the
-group again. The first drop of a group wins (see ``Lineage.observe``).
+group an earlier one emitted), and a trainer resumed from a checkpoint before its drop drops the group
+again, as the dead life decided (streams/ledger.py keeps the trainer's drops too: its steps are redone, the
+resumed life at an older version would train the group, and the dead life's drop is on the log already).
+The first drop of a group wins (see ``Lineage.observe``).
 
 **Group fate.** Against the lineage, a group is ``trained`` (a lineage step trained it), else
 ``dropped`` (on buffer.dropped), else, when it is on buffer.groups, ``buffered`` (still waiting for

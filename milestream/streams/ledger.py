@@ -23,6 +23,11 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
   Settling a group and its credit accounting are one atomic step: an emitted group joins the queue, a
   dropped one gives its credit back, and a group settled before (re-sent after a processor restart)
   counts nothing.
+- the trainer's drops: a group the trainer dropped (stale at collection, or invalid), with the reason and
+  the trainer's version then, kept before its drop record is sent. The decision stands for every later
+  life of the trainer: one resumed from a checkpoint before the drop re-reads the group, and at its own
+  older version would train it; it drops it again, as decided (the audit would count it trained and
+  dropped: its step record and the first drop both on the log).
 - taken early: the trainer can read a group before the processor has settled it (settling follows
   the broker's delivery report); such a group is noted, and settling it gives its credit back
   instead of queuing it. Either way, and however often the trainer takes it, the credit comes back once.
@@ -140,6 +145,7 @@ class LedgerKeys:
     prompts_published: str
     version_floor: str
     trainer_version: str
+    trainer_drops: str  # hash: group id -> "<version>:<reason>" (TrainerDrop)
 
     @classmethod
     def of(cls, cfg: Config) -> "LedgerKeys":
@@ -147,7 +153,7 @@ class LedgerKeys:
         return cls(namespace + "credit", namespace + "admitted", namespace + "queued", namespace + "taken-early",
                    namespace + "processor-groups", namespace + "processor-totals",
                    namespace + "prompts-admitted", namespace + "prompts-published", namespace + "version-floor",
-                   namespace + "trainer-version")
+                   namespace + "trainer-version", namespace + "trainer-drops")
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,22 @@ class Begun:
 
     before: str | None
     decided: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainerDrop:
+    """How the trainer dropped a group: the reason, at which of its versions."""
+
+    reason: str
+    version: int
+
+    def encoded(self) -> str:
+        return f"{self.version}:{self.reason}"
+
+    @classmethod
+    def decoded(cls, value: bytes) -> "TrainerDrop":
+        version, _, reason = value.decode().partition(":")
+        return cls(reason, int(version))
 
 
 @dataclass(frozen=True)
@@ -274,12 +296,17 @@ class BufferLedger:
                 self._settle(keys=keys, args=[group_id, outcome, oldest], client=pipe)
             return [bool(v) for v in pipe.execute()]
 
-    def sent(self, group_ids: Sequence[str]) -> set[str]:
-        """Those of the groups the processor has begun to send, in any of its lives."""
+    def sent(self, group_ids: Sequence[str]) -> tuple[set[str], dict[str, TrainerDrop]]:
+        """Those of the groups the processor has begun to send, in any of its lives, and those of them the trainer
+        dropped, in any of its lives (``drop_for_good``), with how."""
         if not group_ids:
-            return set()
-        found = self.client.hmget(self.keys.settlements, list(group_ids))
-        return {g for g, state in zip(group_ids, found) if state is not None}
+            return set(), {}
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.keys.settlements, list(group_ids))
+            pipe.hmget(self.keys.trainer_drops, list(group_ids))
+            settlements, drops = pipe.execute()
+        return ({g for g, state in zip(group_ids, settlements) if state is not None},
+                {g: TrainerDrop.decoded(drop) for g, drop in zip(group_ids, drops) if drop is not None})
 
     def settled_or_sending(self) -> set[str]:
         """Every group the processor has begun to send, in any of its lives."""
@@ -294,6 +321,14 @@ class BufferLedger:
         """The trainer took or dropped the group. False when it had left before."""
         keys = [self.keys.queue, self.keys.credit, self.keys.taken_early, self.keys.settlements]
         return bool(self._leave(keys=keys, args=[group_id]))
+
+    def drop_for_good(self, group_id: str, drop: TrainerDrop) -> TrainerDrop:
+        """The trainer drops the group: kept unless a life of it dropped the group before; returns the drop that
+        stands (the first)."""
+        with self.client.pipeline(transaction=True) as tx:
+            tx.hsetnx(self.keys.trainer_drops, group_id, drop.encoded())
+            tx.hget(self.keys.trainer_drops, group_id)
+            return TrainerDrop.decoded(tx.execute()[1])
 
     def queued(self) -> int:
         return int(self.client.hlen(self.keys.queue))
@@ -345,14 +380,16 @@ class BufferLedger:
 
     # a run whose Redis was lost: a fresh server holds nothing, so every key comes back from the log
     def rebuild(self, figures: Reconciled, settled: Iterable[str], totals: Mapping[str, int],
-                prompts_published: int) -> None:
+                prompts_published: int, trainer_drops: Mapping[str, TrainerDrop] | None = None) -> None:
         """``reconcile`` on a fresh Redis, plus what it keeps of a surviving one: the groups the processor
-        settled (every group with an outcome on the log), its run totals and the feeder's position.
-        Call with every stage stopped."""
+        settled (every group with an outcome on the log), its run totals, the feeder's position and the
+        trainer's drops (those on the log). Call with every stage stopped."""
         with self.client.pipeline(transaction=True) as tx:
-            tx.delete(self.keys.settlements, self.keys.totals)
+            tx.delete(self.keys.settlements, self.keys.totals, self.keys.trainer_drops)
             if settled := list(settled):
                 tx.hset(self.keys.settlements, mapping=dict.fromkeys(settled, SETTLED))
+            if trainer_drops:
+                tx.hset(self.keys.trainer_drops, mapping={g: d.encoded() for g, d in trainer_drops.items()})
             if totals:
                 tx.hset(self.keys.totals, mapping=dict(totals))
             tx.set(self.keys.prompts_published, prompts_published)

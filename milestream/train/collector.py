@@ -18,10 +18,16 @@ A manifest the processor did not send (its group id never settled), or that no t
 that are not the ones it describes, a token id outside the vocabulary, routing that does not unpack), is
 dead-lettered; a group the processor did send is dropped as well (reason ``invalid``), so its credit
 comes back.
+
+A drop is for good: it is kept in the ledger (streams/ledger.py, the trainer's drops) before its record is
+sent. A trainer killed after a stale drop and before its next checkpoint resumes at an older version, re-reads
+the group and would train it — while the dead life's drop is on the log. A later life drops such a group
+again, as the first decided, and never trains it; so the trainer's lives, the audit and the lineage agree.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -36,9 +42,16 @@ from milestream.schemas.codec import Position, RecordError, decode_values
 from milestream.schemas.records import GroupManifest, GroupSample, Record, Trajectory
 from milestream.streams.groups import (MismatchError, drop_record, join_sample, oldest_version, record_positions,
                                        source_topics, staleness)
-from milestream.streams.ledger import BufferLedger
+from milestream.streams.ledger import BufferLedger, TrainerDrop
 
 READ_BATCH = 512  # manifests read before the ledger is asked, once, which of them the processor sent
+LIFE = "; trainer pid "  # closes a drop's detail: the life of the trainer that wrote it (``life_of``)
+
+
+def life_of(detail: str) -> int | None:
+    """The pid of the trainer life that wrote a drop with this detail (None: not the trainer's)."""
+    _, found, pid = detail.rpartition(LIFE)
+    return int(pid) if found and pid.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -141,7 +154,7 @@ class GroupCollector:
 
     def _read(self, timeout: float) -> None:
         deliveries: list[Delivery[GroupManifest]] = self.consumer.poll_many(READ_BATCH, timeout)
-        sent = self.ledger.sent(sorted({d.records[0].group_id for d in deliveries} - self.seen_groups))
+        sent, dropped = self.ledger.sent(sorted({d.records[0].group_id for d in deliveries} - self.seen_groups))
         for delivery in deliveries:
             position, rows = delivery.position, delivery.records
             self.held.started(position.partition, position.offset)
@@ -150,6 +163,10 @@ class GroupCollector:
                 self.held.done(position.partition, position.offset)  # re-emitted after a processor restart
                 continue
             group = PooledGroup(group_id, rows, position, self.arrivals, delivery.value)
+            if group_id in dropped:  # by a life of the trainer that died before its checkpoint saw it
+                self._drop(group, dropped[group_id])
+                self._leave(group)
+                continue
             try:
                 check_manifest(rows, self.cfg.rollout.group_size, self.context, self.partitions,
                                self.cfg.distill.enabled)
@@ -164,28 +181,38 @@ class GroupCollector:
     def _refuse(self, group: PooledGroup, exc: MismatchError, sent: bool, key: bytes | None = None) -> None:
         """Dead-letter a manifest no step can take; a group the processor sent is dropped too (its credit back)."""
         if sent:
-            record = drop_record(group.group_id, group.manifest, "invalid", f"{exc.field}: {exc}", "trainer", -1)
-            self.producer.send(topics.DROPPED, [record], key=group.group_id)
-            self.seen_groups.add(group.group_id)
-            self.ledger.leave(group.group_id)
+            self._drop(group, TrainerDrop("invalid", -1), f"{exc.field}: {exc}")
+            self._leave(group)
+        else:
+            self.pool.pop(group.group_id, None)
+            self.held.done(group.position.partition, group.position.offset)
         self.producer.dead_letter(group.position, RecordError(group.position, exc.field, str(exc)),
                                   key if key is not None else group.group_id.encode(), group.value)
-        self.pool.pop(group.group_id, None)
-        self.held.done(group.position.partition, group.position.offset)
 
     def _drop_stale(self, version: int) -> None:
         for group in list(self.pool.values()):
             lag = staleness(group.manifest, version)
             if lag > self.cfg.staleness_bound:
                 detail = f"staleness {lag} > {self.cfg.staleness_bound} ({self.cfg.run.schedule} schedule)"
-                record = drop_record(group.group_id, group.manifest, "stale", detail, "trainer", version)
-                self.producer.send(topics.DROPPED, [record], key=group.group_id)
-                self.dropped_stale += 1
+                self._drop(group, TrainerDrop("stale", version), detail)
                 self.collected_lags.append(lag)
                 self._leave(group)
 
+    def _drop(self, group: PooledGroup, drop: TrainerDrop, detail: str | None = None) -> None:
+        """Drop the group for good (see the module docstring): the ledger first, then its record, which names
+        this life of the trainer. ``detail`` None: as an earlier life decided."""
+        decided = self.ledger.drop_for_good(group.group_id, drop)
+        if detail is None or decided != drop:  # a drop of an earlier life stands
+            detail = f"{decided.reason}, as an earlier life of the trainer decided"
+        record = drop_record(group.group_id, group.manifest, decided.reason, f"{detail}{LIFE}{os.getpid()}",
+                             "trainer", decided.version)
+        self.producer.send(topics.DROPPED, [record], key=group.group_id)
+        if decided.reason == "stale":
+            self.dropped_stale += 1
+
     def _leave(self, group: PooledGroup) -> None:
-        del self.pool[group.group_id]
+        """The group has left this trainer (taken or dropped), and the queue: its credit comes back (once)."""
+        self.pool.pop(group.group_id, None)
         self.seen_groups.add(group.group_id)
         self.held.done(group.position.partition, group.position.offset)
         self.ledger.leave(group.group_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 
@@ -118,7 +119,7 @@ class Trainer:
 
     def _publish_metrics(self, batch: list[CollectedGroup], figures: dict[str, float]) -> None:
         lags = [g.staleness for g in batch]
-        values = {**figures, "version": float(self.state.version),
+        values = {**figures, "version": float(self.state.version), "member_pid": float(os.getpid()),  # its life
                   **self.collector.ledger.figures(self.state.version),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
                   **self.collector.take_pool_figures(self.state.version), **self.collector.take_drop_figures()}
