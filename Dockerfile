@@ -1,10 +1,14 @@
 # The milestream image: every stage of the loop (milestream process | train | rollout | load-prompts | ...),
 # CPU by default. Built by milestream/infra/docker-compose.yml; also usable on its own:
 #   docker build -t milestream:0.1.0 . && docker run --rm milestream:0.1.0 milestream --help
-FROM python:3.11-slim
+# Debian bookworm, as the machines scripts/setup is written for
+FROM python:3.11-slim-bookworm
 
-# reasoning-gym builds pycosat from source
-RUN apt-get update && apt-get install -y --no-install-recommends build-essential \
+# What scripts/setup installs for running the loop: a compiler (reasoning-gym builds pycosat from source; this
+# image has Python's headers) and bubblewrap, which isolates tool calls (without it the sandbox refuses them).
+# The packages setup adds only for the tests (a Redis with TLS, openssl, Chromium and its driver, docker-compose)
+# are left out: the image holds no tests.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/milestream

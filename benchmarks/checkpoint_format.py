@@ -12,7 +12,7 @@ JSON line:
   save_s / baseline_save_s           median seconds to write
   load_s / baseline_load_s           median seconds to read back (from the page cache: just written)
 
-    python benchmarks/checkpoint_format.py [--model tiny-random] [--lora-rank 16] [--repeats 5]
+    .venv/bin/python benchmarks/checkpoint_format.py [--model tiny-random] [--lora-rank 16] [--repeats 5]
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ Prints one JSON line per size (and a last one with all of them), each on a fresh
                  with its key and headers by faust's producer, no logic): trajectories/s from the first publish
                  to the last copy read back, and its MB/s against raw as copy_ratio's
 
-    python benchmarks/data_plane.py [--sizes 1k,32k,32k-r3-g8,32k-r3-g16] [--scale 1.0]
+    .venv/bin/python benchmarks/data_plane.py [--sizes 1k,32k,32k-r3-g8,32k-r3-g16] [--scale 1.0]
 """
 from __future__ import annotations
 

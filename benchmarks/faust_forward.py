@@ -12,10 +12,11 @@ and aiokafka's fetch wait shortened to ``broker.fetch_wait_ms`` (faust fixes it 
 empty fetch for a share of it even when data arrives). The producer lingers 5 ms in batches up to 1 MB, as the
 processor's librdkafka producer does (aiokafka's own default batch is 16 KB).
 
-    python benchmarks/faust_forward.py CONFIG OUTPUT_TOPIC SOURCE_TOPIC...   (full topic names)
+    .venv/bin/python benchmarks/faust_forward.py CONFIG OUTPUT_TOPIC SOURCE_TOPIC...   (full topic names)
 """
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -80,9 +81,13 @@ def start(cfg: Config, output: str, sources: list[str], workdir: Path) -> subpro
 
 
 def main() -> None:
-    config_path, output, *sources = sys.argv[1:]
-    datadir = Path(config_path).with_suffix(".data")  # next to the config, in the caller's scratch folder
-    app = forward_app(load_config(config_path), output, sources, datadir)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("config", type=Path)
+    parser.add_argument("output", metavar="OUTPUT_TOPIC", help="a full topic name")
+    parser.add_argument("sources", metavar="SOURCE_TOPIC", nargs="+", help="full topic names")
+    args = parser.parse_args()
+    datadir = args.config.with_suffix(".data")  # next to the config, in the caller's scratch folder
+    app = forward_app(load_config(args.config), args.output, args.sources, datadir)
     faust.Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
 
 

@@ -2,8 +2,8 @@
 
 ``milestream run`` (the tiny model and the tests' small settings, ``buffer.max_record_bytes`` 1 MiB) runs as
 its own process with its embedded broker and Redis. Once its topics exist, ``--records`` hostile records
-(tests/fuzz_records.py, seeded: random bytes, truncated Arrow, another schema or version, a column missing,
-extra, mistyped or null, no rows, values over buffer.max_record_bytes or the broker's limit, records that
+(milestream_testkit/fuzz_records.py, seeded: random bytes, truncated Arrow, another schema or version, a column
+missing, extra, mistyped or null, no rows, values over buffer.max_record_bytes or the broker's limit, records that
 decode but that no stage writes, some claiming a live group's id; hostile keys and headers) go to prompts,
 rollout.trajectories, .logprobs, .routing, buffer.groups, weights.versions, weights.applied, buffer.metrics,
 buffer.dropped and eval.results, paced over ``--inject-s`` seconds (default: 0.6 of the baseline's wall
@@ -15,9 +15,9 @@ skips it). At the end the run is read back from its archive and one JSON line is
                      max.message.bytes (never on the log)
   dead_lettered      hostile records with a dead letter at their topic, partition and offset; naming_all: of
                      those, how many have a letter that names its field and whose error names the position
-  ignored            hostile records of the kinds tests/fuzz_records.py calls ignorable (a weight version no
-                     newer than the trainer's, with checksums of its own; a metrics record of a source other
-                     than the trainer) that no stage dead-lettered: every reader passed over them
+  ignored            hostile records of the kinds milestream_testkit/fuzz_records.py calls ignorable (a weight
+                     version no newer than the trainer's, with checksums of its own; a metrics record of a
+                     source other than the trainer) that no stage dead-lettered: every reader passed over them
   unread             hostile prompts at or past the rollout workers' committed offset when the run ended, and
                      buffer.groups records at or past the trainer's last checkpoint: those readers read on
                      demand, and the run ended before they asked for that much
@@ -31,7 +31,7 @@ skips it). At the end the run is read back from its archive and one JSON line is
                      source record to its buffer.groups / buffer.dropped record) p50 and max against
                      buffer.incomplete_after_s, the window a group has to complete
 
-    python benchmarks/fuzz.py [--records 10000] [--seed 0] [--steps 30] [--no-baseline] [--set section.key=value]
+    .venv/bin/python benchmarks/fuzz.py [--records 10000] [--seed 0] [--steps 30] [--no-baseline] [--set section.key=value]
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.infra.secret_env import run_environment
 from milestream.streams.ledger import BufferLedger
-from tests.fuzz_records import Hostile, HostileRecords
+from milestream_testkit.fuzz_records import Hostile, HostileRecords
 
 TINY = ["model.name=tiny-random", "model.dtype=float32", "rollout.group_size=4", "rollout.max_new_tokens=6",
         "rollout.max_inflight_samples=8", "trainer.batch_groups=2", "trainer.checkpoint_every=1", "eval.mode=null",

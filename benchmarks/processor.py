@@ -25,7 +25,7 @@ the figures do not depend on how fast this script reads the output back. The thr
 the other as separate processes on one broker (topic prefixes bench-processor., bench-forward. and
 bench-faust.).
 
-    python benchmarks/processor.py [--groups 300] [--group-size 8] [--response-tokens 512]
+    .venv/bin/python benchmarks/processor.py [--groups 300] [--group-size 8] [--response-tokens 512]
 """
 from __future__ import annotations
 
@@ -39,17 +39,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is a folder of scripts
-import data_plane  # noqa: E402
-import faust_forward  # noqa: E402
+import data_plane  # benchmarks/ is a folder of scripts: this one's own folder is on the path
+import faust_forward
 
-from milestream.config import Config, load_config  # noqa: E402
-from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, SourceConsumer, topic_name  # noqa: E402
-from milestream.infra.secret_env import stage_environment  # noqa: E402
-from milestream.infra.services import die_with_parent, services  # noqa: E402
-from milestream.schemas import topics  # noqa: E402
-from milestream.schemas.records import Trajectory  # noqa: E402
-from milestream.streams.ledger import BufferLedger  # noqa: E402
+from milestream.config import Config, load_config
+from milestream.infra.kafka import Admin, RecordConsumer, RecordProducer, SourceConsumer, topic_name
+from milestream.infra.secret_env import stage_environment
+from milestream.infra.services import die_with_parent, services
+from milestream.schemas import topics
+from milestream.schemas.records import Trajectory
+from milestream.streams.ledger import BufferLedger
 
 FORWARDED = topics.TopicSpec("bench.forwarded", Trajectory, "group id")
 SOURCES = (topics.TRAJECTORIES, topics.LOGPROBS)

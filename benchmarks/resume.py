@@ -15,7 +15,7 @@ audited (log/audit.py, against log/lineage.py). Prints one JSON line:
   exact               no group lost, duplicated or both trained and dropped, and no step missing
   wall_s / baseline_wall_s / ratio   the chaos run's time over the baseline's
 
-    python benchmarks/resume.py [--kills 20] [--steps 44] [--seed 1]
+    .venv/bin/python benchmarks/resume.py [--kills 20] [--steps 44] [--seed 1]
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from pathlib import Path
 from milestream.config import Config
 from milestream.train import checkpoint
 from milestream.log.audit import audit_run
-from tests.chaos import sigkill, stage_pids
 from milestream.infra.services import services
 from milestream.orchestrator import run_loop
+from milestream_testkit.chaos import sigkill, stage_pids
 
 
 def settings(base: Config, run_dir: Path, steps: int, kills: int) -> Config:

@@ -16,7 +16,7 @@ the first batches left out):
   drop_rate             groups dropped / (dropped + trained) in the window (``dropped_<reason>`` per step)
   vs_sync               trained_tokens_s over the sync schedule's (the last line: async_vs_sync, one_step_vs_sync)
 
-    PYTHONPATH=. python benchmarks/schedules.py [--steps 14] [--warmup 2] [--repeats 1] [--tiny]
+    .venv/bin/python benchmarks/schedules.py [--steps 14] [--warmup 2] [--repeats 1] [--tiny]
 """
 from __future__ import annotations
 

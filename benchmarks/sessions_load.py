@@ -18,7 +18,7 @@ the same concurrency and client library (aiohttp). Prints one JSON line:
   router_sessions_after   routing keys the router still holds once the sessions closed (closing one
                           releases its key); service_sessions_after: sessions the service still holds
 
-    python benchmarks/sessions_load.py [--sessions 50] [--turns 3] [--engines 2] [--timeout-s 120]
+    .venv/bin/python benchmarks/sessions_load.py [--sessions 50] [--turns 3] [--engines 2] [--timeout-s 120]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from milestream.config import ModelConfig
 from milestream.engines.http_api import raise_open_files_limit
 from milestream.infra.model import load_tokenizer
 from milestream.producers.sessions.templates import chat_template
-from tests.engines.servers import MODEL, ready_urls, start, stop
+from milestream_testkit.servers import MODEL, ready_urls, start, stop
 
 MAX_NEW_TOKENS = 4
 

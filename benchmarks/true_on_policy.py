@@ -15,7 +15,7 @@ same machine load. The first step of each learner runs at the weights that gener
   engine_tokens_ratio, trainer_step_ratio, ... on / baseline (tokens/s below 1, a step above 1: slower)
   logprob_diff / baseline_logprob_diff         mean |log pi_train - log pi_rollout| of the first step
 
-    python benchmarks/true_on_policy.py [--model smollm2-135m-instruct] [--dtype auto] [--groups 8] [--repeats 3]
+    .venv/bin/python benchmarks/true_on_policy.py [--model smollm2-135m-instruct] [--dtype auto] [--groups 8] [--repeats 3]
 """
 from __future__ import annotations
 

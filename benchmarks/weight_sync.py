@@ -23,7 +23,7 @@ The pause (``pause_s_*``) is the time an engine cannot generate: in this system 
 pause is the load that follows (the copy into the engine's bf16 parameters, as
 ``CpuEngine.update_weights`` does); ``receive_s_*`` says how long the overlapped receive took.
 
-    python benchmarks/weight_sync.py [--steps 8] [--warmup-steps 2] [--rounds 5] [--bucket-mb 512,64]
+    .venv/bin/python benchmarks/weight_sync.py [--steps 8] [--warmup-steps 2] [--rounds 5] [--bucket-mb 512,64]
 """
 from __future__ import annotations
 

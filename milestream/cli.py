@@ -8,18 +8,51 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
-from milestream.config import Config, load_config
+from milestream.config import Config, ConfigError, UserError, load_config, run_folder
+
+USER_ERROR = 2  # the exit status of a UserError (config.py): what was given or asked for is wrong
+DEBUG_HELP = "on an error in what was given (exit status 2), print its traceback too"
+EXIT_STATUSES = """exit status:
+  0  done (a check passed)
+  1  a check found a difference (audit, replay --step / --redrive, mismatch: see each), or a run trained nothing
+  2  what was given or asked for is wrong (a knob, a file, a run folder, a selection): the message says
+     what; --debug adds the traceback
+  a traceback without --debug: a bug"""
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+STAGE_BROKER = "the run's Kafka cluster (default: broker.bootstrap_servers of --config)"
+STAGE_REDIS = "the run's Redis (default: redis.url of --config)"
+RUN_BROKER = "the run's Kafka cluster (default: the one --config, else RUN_DIR/config.yaml, names)"
+RUN_REDIS = "the run's Redis (default: the one --config, else RUN_DIR/config.yaml, names)"
+# what --bootstrap-servers and --redis-url mean to each command (None: it uses neither; the flag is accepted,
+# not shown): only `run` and `topics` start embedded services
+SERVICES: dict[str, tuple[str | None, str | None]] = {
+    "run": ("an existing Kafka cluster (default: start the embedded broker)",
+            "an existing Redis (default: start an embedded redis-server)"),
+    "topics": ("create: an existing Kafka cluster (default: start the embedded broker, for as long as the command "
+               f"runs); list: {RUN_BROKER}, else the run's archive", None),
+    **dict.fromkeys(("process", "train", "teacher", "eval", "load-prompts", "verify-weights"),
+                    (STAGE_BROKER, STAGE_REDIS)),
+    "rollout": (RUN_BROKER, RUN_REDIS),  # a worker may join a run by its --run-dir alone
+    "archive": (STAGE_BROKER, None),
+    **dict.fromkeys(("metrics", "track", "plot", "mismatch"), (RUN_BROKER, None)),
+    "replay": (f"--from-broker: {RUN_BROKER}; --republish, --resume: the one to put the run back into",
+               "--resume: the Redis whose buffer ledger is reconciled (default: redis.url of --config)"),
+}
+
+
+def _common(parser: argparse.ArgumentParser, command: str) -> None:
+    broker, redis = SERVICES.get(command, (None, None))
     parser.add_argument("--config", help="YAML configuration file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one knob, e.g. --set trainer.lr=5e-5 (repeatable)")
-    parser.add_argument("--bootstrap-servers", help="an existing Kafka cluster (default: start the embedded broker)")
-    parser.add_argument("--redis-url", help="an existing Redis (default: start an embedded redis-server)")
+    parser.add_argument("--bootstrap-servers", help=broker or argparse.SUPPRESS)
+    parser.add_argument("--redis-url", help=redis or argparse.SUPPRESS)
     parser.add_argument("--run-dir", help="the run folder (checkpoints, weights, summary)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
 
 
 def stop_on_signals() -> threading.Event:
@@ -38,7 +71,9 @@ def build_config(args: argparse.Namespace) -> Config:
         overrides.append(f"redis.url={args.redis_url}")
     if args.run_dir:
         overrides.append(f"run.run_dir={args.run_dir}")
-    return load_config(args.config, overrides)
+    from milestream.infra.secret_env import joining
+
+    return joining(load_config(args.config, overrides))  # a stage started by hand gets the run's credentials
 
 
 def run_configuration(cfg: Config, args: argparse.Namespace) -> Config:
@@ -49,6 +84,15 @@ def run_configuration(cfg: Config, args: argparse.Namespace) -> Config:
     if args.config or not saved.exists():
         return cfg
     return build_config(argparse.Namespace(**{**vars(args), "config": str(saved)}))
+
+
+def finished_run(cfg: Config, args: argparse.Namespace) -> Config:
+    """For commands that read a run that may be over (replay, plot, mismatch, export, track --from-archive):
+    its folder must hold a run (RunFolderError), unless the command reads the live topics alone; then
+    ``run_configuration``."""
+    if not (getattr(args, "from_broker", False) or getattr(args, "source", None) == "topics"):
+        run_folder(cfg.run_path)
+    return run_configuration(cfg, args)
 
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
@@ -62,6 +106,7 @@ def _rollout(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.evaluate.evaluation import shared_evaluation
     from milestream.producers.worker import run_worker
 
+    cfg = run_configuration(cfg, args)  # --run-dir alone: a worker joining that run, on its config.yaml
     run_worker(cfg, worker_id=args.worker_id, hook=shared_evaluation(cfg, args.worker_id))
     return 0
 
@@ -121,22 +166,28 @@ def _metrics(cfg: Config, args: argparse.Namespace) -> int:
 def _track(cfg: Config, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from milestream.observe.track import track
+    from milestream.observe.track import open_trackers, track
 
     if args.from_archive:  # the archived run's own configuration, and its folder as the run's
         args = argparse.Namespace(**{**vars(args), "run_dir": args.from_archive})
-        cfg = build_config(args)
-    cfg = run_configuration(cfg, args)
+        cfg = finished_run(build_config(args), args)
+    else:
+        cfg = run_configuration(cfg, args)
     chosen = {"tensorboard": args.tensorboard is not None, "tensorboard_dir": args.tensorboard or None,
               "wandb": args.wandb or "off", "mlflow_uri": args.mlflow_uri}
     if args.tensorboard is not None or args.wandb or args.mlflow_uri:  # these writers alone, not the configured
         cfg = cfg.with_overrides(observe=chosen)
     if not cfg.observe.writers:
-        print("no tracker to write: give --tensorboard, --wandb or --mlflow-uri, or set observe.tensorboard, "
-              "observe.wandb or observe.mlflow_uri", file=sys.stderr)
-        return 2
+        raise ConfigError("no tracker to write: give --tensorboard, --wandb or --mlflow-uri, or set "
+                          "observe.tensorboard, observe.wandb or observe.mlflow_uri")
     archive = Path(args.from_archive) if args.from_archive else None
-    for tracker in track(cfg, cfg.observe.writers, stop_on_signals(), archive):
+    trackers = open_trackers(cfg, cfg.observe.writers)
+    if archive is not None:  # an old run's folder gets new files: say which
+        print(f"writing the archived run {archive} into its folder: each writer's position under "
+              f"{trackers[0].position.parent}", flush=True)
+    for tracker in trackers:
+        print(f"{tracker.sink.name}: writing to {tracker.target}", flush=True)
+    for tracker in track(cfg, trackers, stop_on_signals(), archive):
         print(f"{tracker.sink.name}: {tracker.target}, up to step {tracker.written.step}", flush=True)
     return 0
 
@@ -144,7 +195,7 @@ def _track(cfg: Config, args: argparse.Namespace) -> int:
 def _plot(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.observe.plots import plot_run
 
-    for path in plot_run(run_configuration(cfg, args), args.source, args.out):
+    for path in plot_run(finished_run(cfg, args), args.source, args.out):
         print(f"wrote {path}")
     return 0
 
@@ -206,13 +257,33 @@ def _topics(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.infra.kafka import Admin
     from milestream.infra.services import services
 
+    if args.action == "list":
+        return _list_topics(run_configuration(cfg, args))
     with services(cfg) as live:
         admin = Admin(live.broker)
-        if args.action == "create":
-            created = admin.create_topics()
-            print(f"created {len(created)} topics: {', '.join(created) or '-'}")
+        created = admin.create_topics()
+        print(f"created {len(created)} topics: {', '.join(created) or '-'}")
         for name, partitions in sorted(admin.list_topics().items()):
             print(f"{name:32s} {partitions:3d} partitions")
+    return 0
+
+
+def _list_topics(cfg: Config) -> int:
+    """The topics of the broker the run names; of a run that is over, those its archive holds, with their messages
+    (no broker is started to list nothing)."""
+    from milestream.infra.kafka import Admin
+    from milestream.log.archive import load_manifest, read_topic
+    from milestream.observe.feed import archive_instead, live_topics
+
+    if live_topics(cfg):
+        for name, partitions in sorted(Admin(cfg.broker).list_topics().items()):
+            print(f"{name:32s} {partitions:3d} partitions")
+        return 0
+    print(archive_instead(cfg))
+    manifest = load_manifest(cfg.run_path)
+    for name, shape in sorted(manifest["topics"].items()):
+        messages = read_topic(cfg.run_path, name, ("partition", "offset")).num_rows
+        print(f"{manifest['topic_prefix'] + name:32s} {shape['partitions']:3d} partitions {messages:8d} messages")
     return 0
 
 
@@ -231,7 +302,7 @@ def _export(cfg: Config, args: argparse.Namespace) -> int:
 
     from milestream.train.export import export_version
 
-    exported = export_version(run_configuration(cfg, args), args.out, version=args.version, adapter=args.adapter)
+    exported = export_version(finished_run(cfg, args), args.out, version=args.version, adapter=args.adapter)
     print(json.dumps({k: v for k, v in dataclasses.asdict(exported).items() if k != "checksums"}))
     return 0
 
@@ -239,7 +310,7 @@ def _export(cfg: Config, args: argparse.Namespace) -> int:
 def _mismatch(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.observe import mismatch
 
-    return mismatch.run(run_configuration(cfg, args), args)
+    return mismatch.run(finished_run(cfg, args), args)
 
 
 def _sessions(cfg: Config, args: argparse.Namespace) -> int:
@@ -256,12 +327,12 @@ def _replay(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.observe import debug_cli
 
     if debug_cli.wants(args):  # select, list, show, export, re-drive
-        return debug_cli.run(run_configuration(cfg, args), args)
+        return debug_cli.run(finished_run(cfg, args), args)
     run_dir = cfg.run.run_dir
     if args.step is not None:
         from milestream.observe.recompute import replay_step
 
-        result = replay_step(run_configuration(cfg, args), run_dir, args.step)
+        result = replay_step(finished_run(cfg, args), run_dir, args.step)
         print(json.dumps({"step": result.step, "from_checkpoint": result.from_checkpoint, "logged": result.logged,
                           "replayed": result.replayed, "bitwise_equal": result.bitwise_equal}))
         return 0 if result.bitwise_equal else 1
@@ -287,7 +358,8 @@ COMMANDS = {
                           "or teacher_url) onto rollout.teacher_logprobs"),
     "sft": (_sft, "supervised fine-tuning on a data set (no rollout, no broker)"),
     "load-prompts": (_load_prompts, "publish the data set's prompts on the prompts topic (--follow: keep feeding)"),
-    "metrics": (_metrics, "live terminal view of a running job from its topics; --serve: the live run page and "
+    "metrics": (_metrics, "live terminal view of a running job from its topics (of a finished run: its last figures, "
+                          "from its archive); --serve: the live run page and "
                           "the Prometheus endpoint of every figure; --jsonl PATH: log buffer.metrics"),
     "track": (_track, "write the run to TensorBoard, W&B (offline by default) and MLflow, as observe.* or the flags "
                       "say, each writer resuming from its own committed position; --from-archive RUN: an old run"),
@@ -298,7 +370,8 @@ COMMANDS = {
                     "onto eval.results"),
     "engine": (_engine, "serve the CPU engine over SGLang's HTTP API (/generate, pause, update weights)"),
     "router": (_router, "route each session's requests to one engine (router.engines; X-SMG-Routing-Key)"),
-    "topics": (_topics, "create or list the topics"),
+    "topics": (_topics, "list the topics of the run's broker (of a finished run: its archive's, with their message "
+                        "counts), or create them"),
     "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),
     "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker; "
                         "--step N: recompute a trainer step and compare; select by step, group, time or offset "
@@ -323,8 +396,24 @@ def _mismatch_arguments(command: argparse.ArgumentParser) -> None:
     pick.add_argument("--worst", type=int, metavar="N", help="of those (or of every sample on the log), the N "
                       "with the largest |trainer - rollout| on any token")
     command.add_argument("--tolerance", type=float, help="a disagreement is a difference beyond this (default: "
-                         "any difference when the run had rollout.true_on_policy, else 0.1 nats)")
+                         "any difference when the run had rollout.true_on_policy, else 0.1 nats). Exit status 1 on "
+                         "a disagreement with true on-policy or with --tolerance given; without either, the gap "
+                         "is expected and the status 0")
     command.add_argument("--out", help="the plot's path (default RUN_DIR/plots/mismatch.png)")
+
+
+def _replay_arguments(command: argparse.ArgumentParser) -> None:
+    from milestream.observe.debug_cli import add_arguments as add_debugging_arguments
+
+    command.add_argument("--republish", action="store_true",
+                         help="produce the archive into the broker at the same offsets, restore group offsets")
+    command.add_argument("--resume", action="store_true",
+                         help="--republish, then reconcile the buffer's credit in Redis so the run can go on")
+    command.add_argument("--topic-prefix", help="republish under this prefix (default: the archived one)")
+    command.add_argument("--no-groups", action="store_true", help="do not restore consumer-group offsets")
+    command.add_argument("--step", type=int, help="recompute this trainer step from the archived log and the "
+                         "checkpoint before it; compare loss and grad norm bit for bit with the logged ones")
+    add_debugging_arguments(command)
 
 
 def _track_arguments(command: argparse.ArgumentParser) -> None:
@@ -336,11 +425,13 @@ def _track_arguments(command: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="milestream", description=__doc__)
+    parser = argparse.ArgumentParser(prog="milestream", description=__doc__, epilog=EXIT_STATUSES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text)
-        _common(command)
+        _common(command, name)
         if name == "rollout":
             command.add_argument("--worker-id", default="worker-0")
         if name == "engine":
@@ -382,17 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--version", type=int, help="the weight version (default: the newest kept)")
             command.add_argument("--adapter", action="store_true", help="the LoRA adapter alone, not merged")
         if name == "replay":
-            command.add_argument("--republish", action="store_true",
-                                 help="produce the archive into the broker at the same offsets, restore group offsets")
-            command.add_argument("--resume", action="store_true",
-                                 help="--republish, then reconcile the buffer's credit in Redis so the run can go on")
-            command.add_argument("--topic-prefix", help="republish under this prefix (default: the archived one)")
-            command.add_argument("--no-groups", action="store_true", help="do not restore consumer-group offsets")
-            command.add_argument("--step", type=int, help="recompute this trainer step from the archived log and the "
-                                 "checkpoint before it; compare loss and grad norm bit for bit with the logged ones")
-            from milestream.observe.debug_cli import add_arguments as add_replay_arguments
-
-            add_replay_arguments(command)
+            _replay_arguments(command)
         if name == "mismatch":
             _mismatch_arguments(command)
     return parser
@@ -403,8 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     for noisy in ("httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    cfg = build_config(args)
-    return COMMANDS[args.command][0](cfg, args)
+    try:
+        return COMMANDS[args.command][0](build_config(args), args)
+    except UserError as exc:  # its message is the whole story; any other exception is a bug: its traceback prints
+        if args.debug:
+            traceback.print_exc()
+        print(f"milestream {args.command}: {exc}", file=sys.stderr)
+        return USER_ERROR
 
 
 if __name__ == "__main__":

@@ -14,10 +14,36 @@ from typing import Any, ClassVar, Literal, Mapping
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_serializer, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_serializer,
+                      field_validator, model_validator)
 
 from milestream.distill_config import DistillConfig
+
+
+class UserError(Exception):
+    """Something milestream was given or asked for is wrong: a knob, a file, a run folder, a selection, a
+    damaged log. Its message says what and where; ``milestream`` prints it alone (the traceback with
+    ``--debug``) and exits 2. Any other exception is a bug, and keeps its traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration that does not load or validate: a file, a ``--set``, an environment variable, a knob."""
+
+
+class RunFolderError(UserError, FileNotFoundError):
+    """A run folder that does not exist, holds nothing, or lacks what the command reads (its archive)."""
+
+
+def run_folder(run_dir: str | Path) -> Path:
+    """``run_dir``, when it is a run's folder: it exists and holds something; else RunFolderError saying so."""
+    folder = Path(run_dir)
+    if not folder.is_dir():
+        raise RunFolderError(f"{folder}: no such run folder; --run-dir names the folder of a run "
+                             f"(`milestream run` writes to run.run_dir, by default {RunConfig().run_dir})")
+    if next(folder.iterdir(), None) is None:
+        raise RunFolderError(f"{folder}: an empty folder, no run's (a run writes config.yaml, archive/, "
+                             "checkpoints/ and weights/ there)")
+    return folder
 
 
 class Section(BaseModel):
@@ -304,6 +330,7 @@ class TrainerConfig(Section):
     lam: float = 1.0  # GAE lambda (PPO)
     kl_coef: float = 0.0  # per-token KL penalty against the reference policy in the rewards
     # pi_train/pi_rollout: tis clamps the weight to tis_interval, clip_or_pop zeroes the tokens outside
+    # (also spelt clip-or-pop)
     correction: Literal["tis", "clip_or_pop", "none"] = "tis"
     value_clip: float = 0.2  # PPO value loss: V stays within value_clip of the old value
     value_coef: float = 0.5  # weight of the value loss next to the policy loss
@@ -343,6 +370,11 @@ class TrainerConfig(Section):
     # bite. Still one weight version per batch. At least 1 (0 would publish versions that never trained),
     # at most batch_groups: a minibatch holds whole groups
     updates_per_batch: int = Field(1, ge=1)
+
+    @field_validator("correction", mode="before")
+    @classmethod
+    def _underscored(cls, correction: Any) -> Any:
+        return correction.replace("-", "_") if isinstance(correction, str) else correction
 
     @model_validator(mode="after")
     def _objective_on_its_backend(self) -> "TrainerConfig":
@@ -578,13 +610,13 @@ def import_path(path: str, knob: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{knob} {path!r} does not name a function: {exc}") from None
+        raise ConfigError(f"{knob} {path!r} does not name a function: {exc}") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``trainer.lr=1e-4`` -> (["trainer", "lr"], 0.0001)."""
     if "=" not in text:
-        raise ValueError(f"override {text!r} is not of the form section.key=value")
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
     path, raw = text.split("=", 1)
     return path.strip().split("."), yaml.safe_load(raw)
 
@@ -604,11 +636,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     ``overrides``; later ones win."""
     data: dict[str, Any] = {}
     if path:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"configuration file {path}: {exc}") from None
     for text in [*environment_overrides(os.environ if environ is None else environ), *overrides]:
         keys, value = parse_override(text)
         node = data
         for key in keys[:-1]:
             node = node.setdefault(key, {})
         node[keys[-1]] = value
-    return Config.model_validate(data)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:  # pydantic's text, less its links to its own documentation
+        raise ConfigError("\n".join(line for line in str(exc).splitlines()
+                                    if not line.strip().startswith("For further information"))) from None

@@ -7,7 +7,10 @@
     when the trainer finishes: stop everything, evaluate the version it ended on unless an evaluator
     did (evaluate/evaluation.py ``finish_evaluation``), write summary.json and the plot
     (an archiver, started first and stopped last, keeps every topic on disk; a run started again
-    on the same run folder resumes from that archive; the metrics stage serves the live page, and the
+    on the same run folder resumes from that archive, and is refused before anything starts when its
+    configuration differs from the folder's config.yaml beyond RESUME_MAY_CHANGE (below); the
+    embedded Redis's password is in RUN_DIR/credentials.json (mode 0600) while the run lasts, for a
+    worker started by hand to join it; the metrics stage serves the live page, and the
     tracker stage, when observe.* switches a writer on, fills TensorBoard, W&B or MLflow: it too stays
     for the last evaluation)
 
@@ -21,17 +24,21 @@ topics, or the archive when the broker was lost too; log/accounting.py); then th
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Mapping
 
-from milestream.config import Config
+import yaml
+
+from milestream.config import Config, UserError
 from milestream.evaluate.evaluation import finish_evaluation
 from milestream.infra.kafka import Admin, RecordProducer
-from milestream.infra.secret_env import stage_environment
+from milestream.infra.secret_env import run_credentials, stage_environment
 from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
 from milestream.log.accounting import rebuild_from_broker
 from milestream.log.lineage import Lineage, check_observed
@@ -174,7 +181,7 @@ class Monitor:
 
     def close(self) -> None:
         self.feed.close()
-        self.producer.flush()
+        self.producer.close()  # its client's threads stop: once the broker is gone they would log each reconnect
 
 
 def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child, stopping: bool = False) -> None:
@@ -267,7 +274,72 @@ def recover(live: Services, run_dir: Path) -> None:
         print(f"rebuilt the buffer ledger on a new Redis from the broker's topics: {accounting}", flush=True)
 
 
+class RunFolderConflict(UserError, ValueError):
+    """A run folder that holds another run than the one a command would start on it."""
+
+
+# What may differ between a run folder's config.yaml and a `milestream run` started again on the folder, which
+# resumes the run from the folder's archive and checkpoints: how long it goes on, where its services are, how
+# many workers it has and how it is watched. Everything else (the model, data, reward, rollout, objective,
+# schedule, buffer rules, topics, weight transport) is what the folder's log and checkpoints were made with.
+# A section's name covers its every knob.
+RESUME_MAY_CHANGE: tuple[str, ...] = (
+    "trainer.steps", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.keep_weight_versions",
+    "run.run_dir", "run.max_wall_s", "run.max_restarts", "run.prometheus_port",
+    "broker.bootstrap_servers", "broker.client", "broker.fetch_wait_ms",
+    "redis.url", "redis.password", "redis.ssl_ca_certs", "redis.ssl_certfile", "redis.ssl_keyfile",
+    "model.threads",
+    "rollout.num_workers", "rollout.max_inflight_samples", "rollout.max_batch", "rollout.engine_url",
+    "rollout.max_errors", "rollout.error_window_s", "rollout.stop_grace_s",
+    "buffer.metrics_interval_s", "buffer.commit_interval_s",
+    "weights.sender_host",
+    "eval.every_versions", "eval.timeout_s", "eval.keep_exports",
+    "distill.teacher_url", "distill.timeout_s", "distill.batch_samples",
+    "observe", "router", "sessions",
+)
+
+
+def _knobs(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``section.knob`` -> value (a dict or list whole) of a configuration as config.yaml holds it."""
+    return {f"{section}.{knob}": value for section, knobs in tree.items() if isinstance(knobs, Mapping)
+            for knob, value in knobs.items()}
+
+
+def resume_conflicts(saved: Mapping[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """The knobs outside RESUME_MAY_CHANGE whose value in ``saved`` (a run folder's config.yaml) differs from
+    ``cfg``'s: name -> (saved, given). A knob only one of them knows (another milestream version) is no conflict."""
+    before, now = _knobs(saved), _knobs(cfg.model_dump(mode="json"))
+    may_change = {name for name in before.keys() & now.keys()
+                  if name in RESUME_MAY_CHANGE or name.split(".")[0] in RESUME_MAY_CHANGE}
+    return {name: (before[name], now[name]) for name in sorted(before.keys() & now.keys() - may_change)
+            if before[name] != now[name]}
+
+
+def _shown(value: Any, chars: int = 60) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+    return text if len(text) <= chars else text[:chars - 3] + "..."
+
+
+def check_run_folder(cfg: Config) -> None:
+    """Raise RunFolderConflict when ``cfg.run.run_dir`` holds another run's config.yaml: starting on it would resume
+    that run (its archive, its checkpoints) with this configuration."""
+    saved_path = cfg.run_path / "config.yaml"
+    if not saved_path.exists():
+        return
+    conflicts = resume_conflicts(yaml.safe_load(saved_path.read_text()) or {}, cfg)
+    if not conflicts:
+        return
+    differences = "; ".join(f"{name}: {_shown(before)} there, {_shown(now)} here"
+                            for name, (before, now) in conflicts.items())
+    raise RunFolderConflict(
+        f"{cfg.run.run_dir} holds another run, which a run started on it would resume: its config.yaml differs "
+        f"in {differences}. Give another --run-dir for a new run (or remove {cfg.run.run_dir} to start over); "
+        f"to resume it, change only what may change on resume: how long it runs, where its services are, its "
+        f"workers and how it is watched (RESUME_MAY_CHANGE in milestream/orchestrator.py)")
+
+
 def run_loop(cfg: Config) -> dict:
+    check_run_folder(cfg)  # a folder of another run (another model, data, ...) is not resumed with this one
     check_inputs(cfg)  # bad data or a bad reward fails here, before any stage (or the broker) starts
     check_writers(cfg)
     check_teacher(cfg)
@@ -277,9 +349,11 @@ def run_loop(cfg: Config) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
     printed: set[int] = set()
     printed_evals: set[tuple[str, int, float]] = set()
-    with embedded(cfg) as live:
+    with embedded(cfg) as live, contextlib.ExitStack() as credentials:
         config_path = run_dir / "config.yaml"
         config_path.write_text(live.cfg.to_yaml())  # without secrets: the stages get them in their environment
+        if live.redis is not None:  # for a stage started by hand to join the run (infra/secret_env.py)
+            credentials.enter_context(run_credentials(run_dir, live.redis.config))
         if cfg.run.archive and not cfg.broker.bootstrap_servers and (run_dir / "archive" / "manifest.json").exists():
             # an embedded Redis started with this process: it holds nothing of the run
             resume_from_archive(live.cfg, run_dir, fresh_ledger=live.redis is not None)

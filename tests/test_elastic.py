@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chaos import sigkill
+from milestream_testkit.chaos import sigkill
 from holds import Holds
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 

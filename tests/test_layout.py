@@ -68,3 +68,14 @@ def test_no_room_holds_more_than_a_quarter_of_the_code():
         lines[room_of(path)] = lines.get(room_of(path), 0) + len(path.read_text().splitlines())
     total = sum(lines.values())
     assert max(lines.values()) <= total / 4, {room: round(n / total, 3) for room, n in lines.items()}
+
+
+def test_benchmarks_and_the_testkit_run_without_path_tricks():
+    """``.venv/bin/python benchmarks/NAME.py`` from a fresh clone: what they share with the tests comes from
+    milestream_testkit (installed beside the package), never from tests/, and none of them edits sys.path."""
+    root = PACKAGE.parent
+    paths = sorted([*(root / "benchmarks").glob("*.py"), *(root / "milestream_testkit").glob("*.py")])
+    path_edits = [str(p.relative_to(root)) for p in paths for node in ast.walk(ast.parse(p.read_text()))
+                  if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys"]
+    assert importers(paths, root, "tests") == [] and path_edits == []
+    assert importers(sources(), PACKAGE, "milestream_testkit") == []  # no test helpers inside the package

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chaos import sigkill
+from milestream_testkit.chaos import sigkill
 from holds import Holds
 from stage_runs import print_logs_unless_done, running, start_run
 

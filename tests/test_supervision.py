@@ -17,7 +17,7 @@ from pathlib import Path
 
 from milestream.config import load_config
 from milestream.infra.redis_client import redis_client
-from chaos import broker_pids, redis_pids, sigkill, stage_pids
+from milestream_testkit.chaos import broker_pids, redis_pids, sigkill, stage_pids
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 from holds import Holds
 from milestream.train import checkpoint

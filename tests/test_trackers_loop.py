@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chaos import sigkill, stage_pids
+from milestream_testkit.chaos import sigkill, stage_pids
 from holds import Holds
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 from tracker_stores import every_store, tensorboard_points

@@ -53,7 +53,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from milestream.config import RouterConfig
+from milestream.config import ConfigError, RouterConfig
 from milestream.engines.http_api import (ROUTING_KEY_HEADER, BadRequest, bad_request_as_400, error_response,
                                            reply_message, serve_app, transport_failure)
 
@@ -103,7 +103,7 @@ class AffinityTable:
 
     def __init__(self, engines: Sequence[Sequence[str]], max_sessions: int) -> None:
         if not engines or not all(engines):
-            raise ValueError(f"router.engines needs at least one engine with at least one URL, got {engines!r}")
+            raise ConfigError(f"router.engines needs at least one engine with at least one URL, got {engines!r}")
         if max_sessions < 1:
             raise ValueError(f"router.max_sessions must be at least 1, got {max_sessions}")
         self.engines = [[Upstream(e, r, url.rstrip("/")) for r, url in enumerate(urls)]

@@ -7,6 +7,7 @@ topic with its position and error; the consumer logs it and carries on. Its clie
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Sequence, TypeVar
@@ -50,14 +51,32 @@ def new_topics(cfg: BrokerConfig, specs: Iterable[topics.TopicSpec] = topics.CAT
     ]
 
 
-def broker_answers(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
-    """Whether a broker answers a metadata request (an open port alone is not a ready broker)."""
-    try:
-        # the embedded broker: plaintext on loopback, whatever the run's client settings say
-        AdminClient(client_config(BrokerConfig(bootstrap_servers=bootstrap_servers))).list_topics(timeout=timeout_s)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means no answer yet
+def answers(cfg: BrokerConfig, timeout_s: float = 5.0) -> bool:
+    """Whether the broker answers a metadata request within ``timeout_s`` (an open port alone is not a ready
+    broker); False at once when no bootstrap server accepts a connection (a finished run's). librdkafka logs
+    nothing meanwhile: it would print each refused connection, and here a refusal is the answer."""
+    if not any(_accepts(server) for server in client_config(cfg)["bootstrap.servers"].split(",")):
         return False
+    try:
+        AdminClient(client_config(cfg, log_level="0")).list_topics(timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no answer
+        return False
+
+
+def _accepts(server: str, timeout_s: float = 1.0) -> bool:
+    """Whether ``[PROTOCOL://]host:port`` accepts a TCP connection."""
+    host, _, port = server.strip().rpartition("://")[2].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def broker_answers(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
+    """``answers`` for the embedded broker: plaintext on loopback, whatever the run's client settings say."""
+    return answers(BrokerConfig(bootstrap_servers=bootstrap_servers), timeout_s)
 
 
 class Admin:

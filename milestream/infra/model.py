@@ -35,7 +35,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from milestream.config import ModelConfig
+from milestream.config import ModelConfig, UserError
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -50,7 +50,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _END_OF_TURN_PROBE = "milestream-end-of-turn-probe"
 
 
-class ModelFolderError(ValueError):
+class ModelFolderError(UserError, ValueError):
     """A model.path folder that cannot be used, naming the folder and what it lacks."""
 
 

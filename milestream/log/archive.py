@@ -43,7 +43,7 @@ from typing import Any, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from milestream.config import Config
+from milestream.config import Config, RunFolderError, run_folder
 from milestream.infra.kafka import LogAdmin, RawConsumer, RawMessage, topic_name
 from milestream.schemas import topics
 from milestream.schemas.codec import SCHEMA_HEADER
@@ -110,9 +110,12 @@ class ArchiveState:
 
 
 def load_manifest(run_dir: str | Path) -> dict[str, Any]:
-    path = archive_dir(run_dir) / "manifest.json"
+    """The archive's manifest; every reader of an archive starts here (RunFolderError: no run, or no archive)."""
+    path = archive_dir(run_folder(run_dir)) / "manifest.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no archive in this run folder (was `milestream archive` running?)")
+        raise RunFolderError(f"{run_dir}: no archive in this run folder ({path} is missing): the run had "
+                             "run.archive off or was on a Kafka cluster, whose log is on the brokers (replay and "
+                             "mismatch read it with --from-broker)")
     return json.loads(path.read_text())
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
 
-from milestream.config import Config
+from milestream.config import Config, UserError
 from milestream.infra.kafka import Admin, RecordConsumer, end_offset
-from milestream.log.archive import read_topic
+from milestream.log.archive import load_manifest, read_topic
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, decode_table
 from milestream.schemas.records import Record
@@ -51,8 +51,13 @@ class OnBadRecord(Protocol):
         """Raise ``error``, or return to have the reader skip the record."""
 
 
+class DamagedLog(UserError, RecordError):
+    """A record of a logged run that does not decode, met by a reader of the run: the log is damaged, not
+    the program (the live stages dead-letter such records instead)."""
+
+
 def raise_bad_record(error: RecordError) -> None:
-    raise error
+    raise DamagedLog(error.position, error.field, error.reason) from None
 
 
 @dataclass
@@ -71,6 +76,7 @@ class SkipBadRecords:
 
 def _read_archive(run_dir: str | Path, spec: topics.TopicSpec, on_bad: OnBadRecord,
               convert: Callable[[bytes | None, Position], list[T]]) -> Iterator[LoggedMessage[T]]:
+    load_manifest(run_dir)  # no run or no archive is an error, never an empty log
     table = read_topic(run_dir, spec.name, ("partition", "offset", "timestamp_ms", "key", "value"))
     for batch in table.to_batches(max_chunksize=1024):
         for row in batch.to_pylist():

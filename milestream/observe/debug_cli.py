@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +17,6 @@ from milestream.config import Config
 from milestream.observe.selection import (OffsetRange, Selection, SelectionError, export_parquet, parse_span,
                                           parse_time, sample_table)
 from milestream.log.reader import ArchiveSource, BrokerSource, LogSource
-from milestream.schemas.codec import RecordError
 
 ACTIONS = ("list", "show", "export", "redrive")
 SELECTORS = ("steps", "group", "since", "until", "topic", "sample")
@@ -71,17 +69,8 @@ def text_decoder(cfg: Config):
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    """``cfg``: the run's configuration (cli.run_configuration)."""
-    from milestream.observe.recompute import StepReplayError
-
-    try:
-        return _act(cfg, args)
-    except (RecordError, SelectionError, StepReplayError) as exc:  # bad input or selection: say which, no trace
-        print(f"milestream replay: {exc}", file=sys.stderr)
-        return 2
-
-
-def _act(cfg: Config, args: argparse.Namespace) -> int:
+    """``cfg``: the run's configuration (cli.finished_run). A bad selection, or one nothing on the log meets,
+    raises SelectionError (a UserError: cli.main says it, exit status 2)."""
     source: LogSource = BrokerSource(cfg) if args.from_broker else ArchiveSource(cfg.run_path)
     if args.redrive == "processor":
         from milestream.observe.redrive import redrive_processor
@@ -91,7 +80,7 @@ def _act(cfg: Config, args: argparse.Namespace) -> int:
         return 0 if report.agrees else 1
     if args.redrive == "trainer":
         return _redrive_trainer(cfg, args, source)
-    table = selection(args).apply(sample_table(source, text_decoder(cfg)), source)
+    table = selection(args).pick(sample_table(source, text_decoder(cfg)), source)
     if args.export:
         path = export_parquet(table, args.export)
         print(f"wrote {table.num_rows} samples of {len(pc.unique(table['group_id']))} groups to {path}")

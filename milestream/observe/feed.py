@@ -7,6 +7,9 @@ A metrics consumer is an ``Observer`` fed ``Observed`` records, one at a time, f
   position a resuming reader committed itself (the experiment trackers, observe/track.py);
 - ``archived``: the same topics from ``RUN_DIR/archive`` (read by log/reader.py), no broker needed.
 
+A command that reads a run's live topics asks ``live_topics`` first: when no broker answers (the run is
+over, its embedded broker gone) it reads the archive instead, or says which command does (``RunOver``).
+
 A value that does not decode is logged with its topic, partition, offset and field, skipped and
 counted (``log.reader.SkipBadRecords``): an observer of the loop must not stop on a record the
 processor has already dead-lettered.
@@ -20,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Protocol
 
-from milestream.config import Config
-from milestream.infra.kafka import Admin, Check, RecordConsumer, RecordProducer, end_offset, topic_name
-from milestream.log.archive import load_manifest
+from milestream.config import Config, RunFolderError, UserError
+from milestream.infra.kafka import Admin, Check, RecordConsumer, RecordProducer, answers, end_offset, topic_name
+from milestream.log.archive import archive_dir, load_manifest
 from milestream.log.reader import OnBadRecord, SkipBadRecords, read_archive
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError
@@ -135,3 +138,37 @@ def follow(feed: TopicFeed, observers: Iterable[Observer], stop: threading.Event
         for item in feed.poll(poll_s):
             for observer in observers:
                 observer.observe(item)
+
+
+class RunOver(UserError):
+    """A command that follows a live run, given a run no broker serves any more."""
+
+
+def live_topics(cfg: Config) -> bool:
+    """Whether a broker answers at ``broker.bootstrap_servers`` (quickly, and without librdkafka's log of
+    refused connections): the run's topics are live. False: read ``archived(cfg.run_path)`` instead."""
+    return bool(cfg.broker.bootstrap_servers) and answers(cfg.broker)
+
+
+def _no_broker(cfg: Config) -> str:
+    return (f"no broker answers at {cfg.broker.bootstrap_servers}" if cfg.broker.bootstrap_servers
+            else "no broker named (--bootstrap-servers, or the --run-dir of a run)")
+
+
+def archive_instead(cfg: Config) -> str:
+    """The line saying that the run's topics are gone and its archive is read instead; RunFolderError when
+    its folder holds no archive either."""
+    try:
+        load_manifest(cfg.run_path)
+    except RunFolderError as exc:
+        raise RunFolderError(f"{_no_broker(cfg)}, and no archive to read instead: {exc}") from None
+    return f"{_no_broker(cfg)}: the run in {cfg.run.run_dir} is over; reading its archive {archive_dir(cfg.run_path)}"
+
+
+def run_over(cfg: Config) -> RunOver:
+    """For a command that only follows a live run (a server, a log writer): what reads the finished one."""
+    archive_instead(cfg)  # RunFolderError when there is nothing to read either
+    run_dir = cfg.run.run_dir
+    return RunOver(f"{_no_broker(cfg)}: the run in {run_dir} is over. `milestream metrics --run-dir {run_dir}` "
+                   f"prints its last figures from its archive; `milestream plot --run-dir {run_dir}` and "
+                   f"`milestream track --from-archive {run_dir}` read it too")

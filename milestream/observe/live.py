@@ -1,7 +1,8 @@
 """``milestream metrics``: a live terminal view of a running job, from its topics alone.
 
 Reward, staleness, queue, throughput, drops by reason, weight versions and step time, refreshed as
-records arrive; nothing is asked of the stages (the view is one more reader of their topics).
+records arrive; nothing is asked of the stages (the view is one more reader of their topics). Of a run
+that is over (no broker answers), one view of its last figures, from its archive.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from milestream.config import Config
-from milestream.observe.feed import TopicFeed
+from milestream.observe.feed import TopicFeed, archive_instead, archived, live_topics
 from milestream.observe.series import RunSeries
 
 RECENT_STEPS = 10  # the reward is noisy step to step: also show its mean over the last few steps
@@ -81,22 +82,29 @@ def weight_rows(series: RunSeries) -> list[tuple[str, str]]:
             ("engines", engines or NONE)]
 
 
-def render(series: RunSeries, cfg: Config) -> Group:
+def render(series: RunSeries, cfg: Config, title: str | None = None) -> Group:
     table = Table(show_header=False, box=None, padding=(0, 2))
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column()
     for name, value in (trainer_rows(series, cfg) + buffer_rows(series, cfg) + rollout_rows(series)
                         + weight_rows(series)):
         table.add_row(name, value)
-    age = time.time() - series.first_ts if series.first_ts else 0.0
-    prefix = f" (topics {cfg.broker.topic_prefix}*)" if cfg.broker.topic_prefix else ""
-    title = Text(f"milestream on {cfg.broker.bootstrap_servers}{prefix}, first record {age:.0f} s ago", style="bold")
-    return Group(title, table)
+    if title is None:
+        age = time.time() - series.first_ts if series.first_ts else 0.0
+        prefix = f" (topics {cfg.broker.topic_prefix}*)" if cfg.broker.topic_prefix else ""
+        title = f"milestream on {cfg.broker.bootstrap_servers}{prefix}, first record {age:.0f} s ago"
+    return Group(Text(title, style="bold"), table)
 
 
 def watch(cfg: Config, stop: threading.Event, once: bool = False, console: Console | None = None) -> RunSeries:
-    """Show the view until ``stop``; ``once``: read what the topics hold, print one snapshot, return."""
+    """Show the view until ``stop``; ``once``: read what the topics hold, print one snapshot, return. A run that
+    is over: one snapshot of its archive, after a line saying so."""
     console = console or Console()
+    if not live_topics(cfg):
+        console.print(archive_instead(cfg), highlight=False)
+        series = RunSeries().observe_all(archived(cfg.run_path))
+        console.print(render(series, cfg, f"milestream run {cfg.run.run_dir}, over: its archive"))
+        return series
     feed = TopicFeed(cfg, f"{cfg.broker.topic_prefix}live-view")
     series = RunSeries()
     try:

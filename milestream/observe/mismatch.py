@@ -18,6 +18,11 @@ needing a pruned version is left out, named), and compares it with the log-prob 
 
 Tokens outside the loss mask (tool output a policy did not write) are shown but not judged. MoE
 routing is not replayed: the forward routes afresh.
+
+Exit status: with true on-policy the comparison is a check, 1 when any chosen sample disagrees at all.
+Without it the engine and the trainer compute log-probs differently and a gap is expected (the summary
+says how large, here and on the default run, and how to have none): a report, 0, unless ``--tolerance``
+is given, which makes it a check against that tolerance. A piped table prints every number whole.
 """
 from __future__ import annotations
 
@@ -41,13 +46,15 @@ from milestream.infra.model import configure_process, load_trainable_state_dict,
 from milestream.log.reader import ArchiveSource, BrokerSource, LogSource
 from milestream.observe.debug_cli import text_decoder
 from milestream.observe.selection import Selection, SelectionError, parse_span, sample_table
-from milestream.schemas.codec import RecordError
+from milestream.observe.show import table_console
 from milestream.train.backends.base import compute_context
 from milestream.train.backends.local import LocalBackend
 from milestream.train.export import VersionNotKept, kept_versions, version_tensors
 from milestream.train.logprobs import shared_prompt_distributions
 
 DEFAULT_TOLERANCE = 0.1  # nats, without true on-policy: a 10% probability ratio
+# measured on the default run without true on-policy (docs/observing.md, "The rollout-train mismatch")
+EXPECTED_GAP = "the default run's: about 0.04 nats a token on average, single tokens up to 0.3"
 MAX_PLOTTED = 6  # samples in the plot
 
 
@@ -202,7 +209,7 @@ def _or_dash(value: float | None) -> str:
 
 
 def print_tables(comparisons: Sequence[SampleComparison], console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or table_console()
     for comparison in comparisons:
         console.print(token_table(comparison))
 
@@ -248,13 +255,11 @@ def plot(comparisons: Sequence[SampleComparison], path: str | Path) -> Path:
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    """``cfg``: the run's configuration (cli.run_configuration). 0: no chosen sample disagrees; 1: some do."""
-    try:
-        chosen = _with_kept_versions(cfg, _chosen(cfg, args))
-        comparisons = compare(cfg, chosen, args.tolerance)
-    except (RecordError, SelectionError, VersionNotKept) as exc:
-        print(f"milestream mismatch: {exc}", file=sys.stderr)
-        return 2
+    """``cfg``: the run's configuration (cli.finished_run). Exit status 1 when a chosen sample disagrees and
+    the comparison is a check: the run had true on-policy (any difference disagrees), or ``--tolerance`` was
+    given. Without either it is a report, 0: the two compute log-probs differently, a gap is expected."""
+    chosen = _with_kept_versions(cfg, _chosen(cfg, args))
+    comparisons = compare(cfg, chosen, args.tolerance)
     if args.worst is not None:
         comparisons = worst(comparisons, args.worst)
     print_tables(comparisons)
@@ -263,7 +268,22 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     path = plot(comparisons, args.out or cfg.run_path / "plots" / "mismatch.png")
     disagreeing = sum(c.first is not None for c in comparisons)
     print(f"{len(comparisons)} samples compared, {disagreeing} disagree; wrote {path}")
-    return 1 if disagreeing else 0
+    if cfg.rollout.true_on_policy:
+        return 1 if disagreeing else 0
+    print(expected_gap(comparisons, judged=args.tolerance is not None))
+    return 1 if disagreeing and args.tolerance is not None else 0
+
+
+def expected_gap(comparisons: Sequence[SampleComparison], judged: bool) -> str:
+    """Why a run without true on-policy disagrees, by how much here, and how to have none."""
+    gaps = [abs(t.diff) for c in comparisons for t in c.tokens if t.judged]
+    here = f"here {sum(gaps) / max(len(gaps), 1):.3f} nats a token on average, {max(gaps, default=0.0):.3f} at most"
+    verdict = ("the exit status judges the --tolerance given" if judged else
+               "a report, not a check: the exit status is 0 (give --tolerance to judge)")
+    return (f"this run had rollout.true_on_policy off: the engine and the trainer compute log-probs with other "
+            f"kernels and batch shapes, so they differ by design ({here}; {EXPECTED_GAP}); {verdict}. For exact "
+            "agreement, train with --set rollout.true_on_policy=true: every token then agrees bit for bit and "
+            "any difference is a disagreement")
 
 
 def _chosen(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -272,7 +292,7 @@ def _chosen(cfg: Config, args: argparse.Namespace) -> list[dict[str, Any]]:
     source: LogSource = BrokerSource(cfg) if args.from_broker else ArchiveSource(cfg.run_path)
     picked = Selection(steps=parse_span(args.steps, "--steps") if args.steps else None,
                        group_ids=frozenset(args.group))
-    table = comparable(picked.apply(sample_table(source, text_decoder(cfg)), source))
+    table = comparable(picked.pick(sample_table(source, text_decoder(cfg)), source))
     if args.trajectory:
         table = table.filter(pc.is_in(table["trajectory_id"], pa.array(args.trajectory, pa.string())))
         absent = sorted(set(args.trajectory) - set(table["trajectory_id"].to_pylist()))

@@ -1,7 +1,8 @@
 """``milestream plot``: PNG plots of a run from its topics or its archive.
 
-Five files under ``RUN_DIR/plots/`` (or ``--out``): ``reward.png`` (with the held-out scores of
-``eval.results`` at the step of each evaluated version), ``staleness.png``, ``queue.png``,
+Five files under ``RUN_DIR/plots/`` (or ``--out``): ``reward.png`` (the training reward, which counts
+the format bonus, with the held-out scores of ``eval.results``, which do not, at the step of each
+evaluated version), ``staleness.png``, ``queue.png``,
 ``throughput.png`` and ``drops.png`` (drops by reason over time). A live run is read from its
 topics; a finished one from ``RUN_DIR/archive`` (the archiver keeps it while the run goes on, so
 the archive also serves a live run, without a broker).
@@ -9,7 +10,7 @@ the archive also serves a live run, without a broker).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 from matplotlib.ticker import MaxNLocator
 
@@ -17,7 +18,7 @@ from milestream.config import Config
 from milestream.log.archive import archive_dir
 from milestream.observe.feed import TopicFeed, archived
 from milestream.observe.series import RunSeries, evaluated
-from milestream.schemas.records import EvalResult
+from milestream.schemas.records import EvalResult, Metrics
 
 Source = Literal["auto", "archive", "topics"]
 ROLLING = 5  # steps in the reward's rolling mean
@@ -29,19 +30,23 @@ def _rolling(values: list[float], window: int) -> list[float]:
 
 def _reward(ax, series: RunSeries) -> bool:
     steps = [m for m in series.trainer_steps() if "reward_mean" in m.values]
-    rewards = [m.values["reward_mean"] for m in steps]
-    ax.plot([m.step for m in steps], rewards, marker="o", ms=3, alpha=0.5, label="mean reward")
-    ax.plot([m.step for m in steps], _rolling(rewards, ROLLING), label=f"rolling mean ({ROLLING} steps)")
-    draw_evaluations(ax, evaluated(series.evals))
-    ax.set(xlabel="trainer step", ylabel="reward", title="reward per step, held-out score per evaluated version")
+    draw_rewards(ax, steps, evaluated(series.evals))
+    ax.plot([m.step for m in steps], _rolling([m.values["reward_mean"] for m in steps], ROLLING),
+            label=f"training reward, rolling mean ({ROLLING} steps)")
+    ax.set(xlabel="trainer step", title="training reward per step, held-out score per evaluated version")
     return bool(steps)
 
 
-def draw_evaluations(ax, evals: dict[str, list[EvalResult]]) -> None:
-    """Each evaluation's scores at the step of the version they scored (version 0: step 0)."""
+def draw_rewards(ax, steps: Sequence[Metrics], evals: dict[str, list[EvalResult]]) -> None:
+    """The training reward of each step and each evaluation's held-out score at the step of the version it
+    scored (version 0: step 0), on one axis and told apart: the training reward counts the format bonus
+    (data.format_reward), the held-out score does not (evaluate/evaluation.py)."""
+    ax.plot([m.step for m in steps], [m.values["reward_mean"] for m in steps], marker="o", ms=3, alpha=0.5,
+            label="training reward, mean of the step's samples (incl. the format bonus)")
     for name, results in evals.items():
         ax.plot([r.step for r in results], [r.score for r in results], marker="s", ms=5, linestyle="--",
-                label=f"{name}: greedy, on held-out questions")
+                label=f"held-out score ({name}): greedy, no format bonus")
+    ax.set_ylabel("training reward / held-out score")
 
 
 def _staleness(ax, series: RunSeries) -> bool:

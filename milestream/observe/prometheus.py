@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 
 from milestream.config import Config
-from milestream.observe.feed import FEED_TOPICS, Observed, TopicFeed, follow
+from milestream.observe.feed import FEED_TOPICS, Observed, TopicFeed, follow, live_topics, run_over
 from milestream.observe.jsonl import JsonlWriter
 from milestream.observe.page import RunPage, page_routes, serve_http
 from milestream.observe.series import RunSeries
@@ -133,7 +133,9 @@ class PrometheusExporter:
 def serve(cfg: Config, stop: threading.Event, port: int | None, addr: str = "127.0.0.1",
           jsonl: str | Path | None = None) -> None:
     """The headless metrics stage until ``stop``: on a port, the live run page and the Prometheus endpoint
-    (observe/page.py); the JSONL log (a path); or both."""
+    (observe/page.py); the JSONL log (a path); or both. RunOver at once for a run no broker serves any more."""
+    if not live_topics(cfg):
+        raise run_over(cfg)
     observers: list[PrometheusExporter | JsonlWriter | RunPage] = []
     server = None
     if port is not None:

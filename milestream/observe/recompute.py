@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from milestream.config import Config
+from milestream.config import Config, UserError
 from milestream.train import checkpoint
 from milestream.log.lineage import lineage_of
 from milestream.log.reader import ArchiveSource, read_archive
@@ -31,7 +31,7 @@ COMPARED = ("loss", "grad_norm")
 GroupFetcher = Callable[[set[str]], dict[str, list[GroupSample]]]  # group ids -> their logged samples
 
 
-class StepReplayError(RuntimeError):
+class StepReplayError(UserError, RuntimeError):
     """The log or the checkpoints cannot rebuild the step."""
 
 

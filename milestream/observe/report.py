@@ -74,15 +74,13 @@ def plot(path: Path, steps: Sequence[Metrics], evals: dict[str, list[EvalResult]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from milestream.observe.plots import draw_evaluations
+    from milestream.observe.plots import draw_rewards
 
     steps = sorted(steps, key=lambda m: m.step)
     x = [m.step for m in steps]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(x, [m.values["reward_mean"] for m in steps], marker="o", ms=3, label="mean reward")
-    draw_evaluations(top, evals)
-    top.set_ylabel("reward")
-    top.legend()
+    draw_rewards(top, steps, evals)
+    top.legend(fontsize="small")
     top.grid(alpha=0.3)
     bottom.plot(x, [m.values["staleness_mean"] for m in steps], label="mean")
     bottom.plot(x, [m.values["staleness_max"] for m in steps], linestyle="--", label="max")

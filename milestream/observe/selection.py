@@ -42,8 +42,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from milestream.config import UserError
 from milestream.log.lineage import GroupFate, lineage_of
 from milestream.log.reader import LogSource, LoggedMessage
+from milestream.observe.show import when
 from milestream.schemas import topics
 from milestream.schemas.records import LogProbs, Metrics, Record, Trajectory
 
@@ -70,8 +72,8 @@ BY_TRAJECTORY = (topics.TRAJECTORIES, topics.LOGPROBS, topics.ROUTING)  # an off
 BY_GROUP = (topics.PROMPTS, topics.GROUPS, topics.DROPPED, topics.METRICS)  # an offset names groups
 
 
-class SelectionError(ValueError):
-    pass
+class SelectionError(UserError, ValueError):
+    """A selection that is malformed, or that nothing on the log meets."""
 
 
 def group_fates(source: LogSource) -> dict[str, GroupFate]:
@@ -146,27 +148,80 @@ class Selection:
     sample_index: int | None = None
 
     def apply(self, table: pa.Table, source: LogSource) -> pa.Table:
-        masks = []
+        return _meeting(table, self._criteria(table, source))
+
+    def pick(self, table: pa.Table, source: LogSource) -> pa.Table:
+        """As ``apply``; SelectionError when a selection was given and nothing on the log meets it, naming
+        each criterion nothing meets and what the log holds instead."""
+        criteria = self._criteria(table, source)
+        chosen = _meeting(table, criteria)
+        if chosen.num_rows or not criteria:
+            return chosen
+        if not table.num_rows:
+            raise SelectionError("nothing selected: the log holds no trajectory sample")
+        unmet = [f"{c.asked}: none on the log ({c.holds})" for c in criteria
+                 if not pc.any(pc.fill_null(c.mask, False)).as_py()]
+        if not unmet:
+            unmet = [f"each of {', '.join(c.asked for c in criteria)} is met by some sample, no sample meets all"]
+        raise SelectionError(f"nothing selected from the {table.num_rows} samples of the log: " + "; ".join(unmet))
+
+    def _criteria(self, table: pa.Table, source: LogSource) -> list["Criterion"]:
+        """Each criterion given, over ``table``; what the log holds is worded for a table with rows."""
+        out = []
         if self.steps is not None:
-            masks.append(pc.and_(pc.greater_equal(table["step"], self.steps[0]),
-                                 pc.less_equal(table["step"], self.steps[1])))
+            first, last = self.steps
+            trained = table.filter(pc.is_valid(table["step"]))["step"]
+            out.append(Criterion(
+                f"step {first}" if first == last else f"steps {first}:{last}",
+                pc.and_(pc.greater_equal(table["step"], first), pc.less_equal(table["step"], last)),
+                f"the trained steps are {_span(trained)}" if len(trained) else "no step trained a logged group"))
         if self.group_ids:
-            masks.append(pc.is_in(table["group_id"], pa.array(sorted(self.group_ids))))
+            example = table["group_id"][0].as_py() if table.num_rows else None
+            out.append(Criterion(f"group {', '.join(sorted(self.group_ids))}",
+                                 pc.is_in(table["group_id"], pa.array(sorted(self.group_ids))),
+                                 f"its group ids look like {example!r}; --list lists them"))
+        stamps = table["timestamp_ms"]
+        stamped = f"its records are stamped {when(pc.min(stamps).as_py())} to {when(pc.max(stamps).as_py())}"
         if self.since_ms is not None:
-            masks.append(pc.greater_equal(table["timestamp_ms"], self.since_ms))
+            out.append(Criterion(f"records stamped at or after {when(self.since_ms)}",
+                                 pc.greater_equal(stamps, self.since_ms), stamped))
         if self.until_ms is not None:
-            masks.append(pc.less(table["timestamp_ms"], self.until_ms))
+            out.append(Criterion(f"records stamped before {when(self.until_ms)}", pc.less(stamps, self.until_ms),
+                                 stamped))
         if self.offsets is not None:
             column, ids = ids_in_range(source, self.offsets)
-            masks.append(pc.is_in(table[column], pa.array(sorted(ids), pa.string())))
+            span = self.offsets
+            out.append(Criterion(f"{span.topic}[{span.partition}]@{span.first}:{span.last}",
+                                 pc.is_in(table[column], pa.array(sorted(ids), pa.string())),
+                                 "those offsets name no logged sample"))
         if self.sample_index is not None:
-            masks.append(pc.equal(table["sample_index"], self.sample_index))
-        if not masks:
-            return table
-        keep = masks[0]
-        for mask in masks[1:]:
-            keep = pc.and_(keep, mask)
-        return table.filter(pc.fill_null(keep, False))
+            out.append(Criterion(f"sample {self.sample_index}", pc.equal(table["sample_index"], self.sample_index),
+                                 f"its groups have {_span(table['group_size'])} samples, indices from 0"))
+        return out
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """One criterion of a selection over a table: what was asked, in words; its mask; what the log holds."""
+
+    asked: str
+    mask: Any  # a boolean (chunked) array over the table's rows
+    holds: str
+
+
+def _meeting(table: pa.Table, criteria: list[Criterion]) -> pa.Table:
+    """The rows of ``table`` that meet every criterion (all of them, with none)."""
+    if not criteria:
+        return table
+    keep = criteria[0].mask
+    for criterion in criteria[1:]:
+        keep = pc.and_(keep, criterion.mask)
+    return table.filter(pc.fill_null(keep, False))
+
+
+def _span(values: Any) -> str:
+    low, high = pc.min(values).as_py(), pc.max(values).as_py()
+    return str(low) if low == high else f"{low} to {high}"
 
 
 def ids_in_range(source: LogSource, span: OffsetRange) -> tuple[str, set[str]]:

@@ -18,7 +18,18 @@ from rich.table import Table
 from rich.text import Text
 
 
-def _when(timestamp_ms: int | None) -> str:
+PIPED_WIDTH = 400  # columns of a console that is no terminal: a table takes its natural width, no number cut
+
+
+def table_console() -> Console:
+    """The terminal's console; piped or redirected, one wide enough that no table cuts a cell (rich would fit
+    every table into 80 columns, eliding numbers)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=PIPED_WIDTH)
+
+
+def when(timestamp_ms: int | None) -> str:
+    """A broker timestamp in local time, to the millisecond ("-": none)."""
     if not timestamp_ms or timestamp_ms < 0:
         return "-"
     return datetime.datetime.fromtimestamp(timestamp_ms / 1000).isoformat(sep=" ", timespec="milliseconds")
@@ -46,7 +57,7 @@ def header(row: dict[str, Any]) -> Table:
         ("reward", f"{row['reward']:.3f}  status {row['status']}"),
         ("versions", f"{row['min_version']}..{row['max_version']}"),
         ("engine", f"{row['engine_id']} on {row['worker_id']}"),
-        ("logged", f"rollout.trajectories[{row['partition']}]@{row['offset']} at {_when(row['timestamp_ms'])}; "
+        ("logged", f"rollout.trajectories[{row['partition']}]@{row['offset']} at {when(row['timestamp_ms'])}; "
                    f"{emitted}"),
     ):
         grid.add_row(name, Text(str(value)))
@@ -91,7 +102,7 @@ def print_groups(summary: pa.Table, console: Console | None = None) -> None:
         table.add_row(Text(row["group_id"]), row["outcome"], _or_dash(row["step"]), _or_dash(row["staleness"]),
                       _or_dash(row["drop_reason"]), str(row["sample_index_count"]), f"{row['reward_mean']:.3f}",
                       first_at)
-    (console or Console()).print(table)
+    (console or table_console()).print(table)
 
 
 def _or_dash(value: Any) -> str:

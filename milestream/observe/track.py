@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 
 import xxhash
 
-from milestream.config import Config
+from milestream.config import Config, ConfigError
 from milestream.infra.faults import hold
 from milestream.observe.feed import Observed, TopicFeed, archived
 from milestream.observe.series import step_tokens
@@ -197,7 +197,7 @@ def check_writers(cfg: Config) -> None:
     missing = [f"{module} (for {writer})" for writer in cfg.observe.writers for module in needs[writer]
                if importlib.util.find_spec(module) is None]
     if missing:
-        raise ValueError(f"not installed: {', '.join(missing)}; the trackers extra has them: "
+        raise ConfigError(f"not installed: {', '.join(missing)}; the trackers extra has them: "
                          "pip install -e '.[trackers]' (./scripts/setup installs it)")
 
 
@@ -236,7 +236,7 @@ def make_tracker(cfg: Config, writer: str) -> Tracker:
         target = f"mlflow {uri} {observe.mlflow_experiment}"
         sink = MlflowSink(uri, observe.mlflow_experiment, name, key, str(run_dir / "mlflow-artifacts") if local else None)
     else:
-        raise ValueError(f"no tracker {writer!r} (tensorboard, wandb, mlflow)")
+        raise ConfigError(f"no tracker {writer!r} (tensorboard, wandb, mlflow)")
     positions = run_dir / "tracking"  # one file per store: writing an old run elsewhere moves no live position
     positions.mkdir(parents=True, exist_ok=True)
     return Tracker(sink, positions / f"{writer}-{xxhash.xxh64(target.encode()).hexdigest()[:8]}.json", target, params)
@@ -258,10 +258,14 @@ def resume_from(trackers: list[Tracker]) -> Offsets:
     return {k: min(t.offsets[k] for t in trackers) for k in keys}
 
 
-def track(cfg: Config, writers: list[str], stop: threading.Event, archive: Path | None = None) -> list[Tracker]:
-    """Run ``writers`` until ``stop`` (live), or over the archive of run ``archive`` until its end."""
+def open_trackers(cfg: Config, writers: list[str]) -> list[Tracker]:
+    """One tracker per writer, each at its saved position (under RUN_DIR/tracking)."""
     check_writers(cfg)
-    trackers = [make_tracker(cfg, writer) for writer in writers]
+    return [make_tracker(cfg, writer) for writer in writers]
+
+
+def track(cfg: Config, trackers: list[Tracker], stop: threading.Event, archive: Path | None = None) -> list[Tracker]:
+    """Run ``trackers`` until ``stop`` (live), or over the archive of run ``archive`` until its end."""
     start = resume_from(trackers)
     last_commit = time.monotonic()
 

@@ -28,14 +28,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from milestream.config import Config, DataConfig, SourceConfig
+from milestream.config import Config, DataConfig, SourceConfig, UserError
 from milestream.producers.tasks import TaskPrompt, iter_prompts
 from milestream.schemas.records import Prompt
 
 DRAWS_PER_PROMPT = 50  # held-out entries drawn per wanted distinct question before giving up
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad user data; the message names the file and the line, row or column."""
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-from milestream.config import Config
+from milestream.config import Config, ConfigError, UserError
 from milestream.infra.model import load_model, load_tokenizer, load_trainable_state_dict
 from milestream.schemas.records import WeightVersion
 from milestream.streams.weights.base import checksums, version_of, weights_dir
@@ -37,8 +38,12 @@ from milestream.train import checkpoint
 FACTS_FILE = "milestream.json"
 
 
-class VersionNotKept(LookupError):
+class VersionNotKept(UserError, LookupError):
     """The asked version's weights are no longer on disk (pruned) or never were."""
+
+
+class ExportRefused(UserError, FileExistsError):
+    """An --out folder that is not empty."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,9 @@ def export_version(cfg: Config, out: str | Path, version: int | None = None, ada
     hold anything yet); ``adapter``: the LoRA adapter alone instead of merged weights."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out}: not empty; export writes a new folder")
+        raise ExportRefused(f"--out {out}: not empty; export writes a new folder")
     if adapter and cfg.model.lora_rank == 0:
-        raise ValueError("--adapter: this run fine-tuned every weight (model.lora_rank=0); there is no adapter")
+        raise ConfigError("--adapter: this run fine-tuned every weight (model.lora_rank=0); there is no adapter")
     version, step, source, tensors = version_tensors(cfg, version)
     model = load_model(cfg.model, dtype=torch.float32)
     load_trainable_state_dict(model, tensors)
@@ -133,6 +138,12 @@ def save_hf_folder(model: nn.Module, tokenizer: PreTrainedTokenizerBase, folder:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / FACTS_FILE).write_text(json.dumps(facts, indent=1))
+    # safetensors writes its file with mode 0600 whatever the umask: every file gets the mode open() gave the
+    # facts file under this process's umask, as the rest of the folder has
+    mode = stat.S_IMODE((tmp / FACTS_FILE).stat().st_mode)
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)
     if folder.exists():
         folder.rmdir()  # empty: checked by the caller
     os.replace(tmp, folder)

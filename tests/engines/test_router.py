@@ -21,7 +21,7 @@ from milestream.engines.engine import GenerateRequest, GenerateResult, SamplingP
 from milestream.engines.http_api import ROUTING_KEY_HEADER
 from milestream.engines.http_engine import EngineHttpError, HttpEngine, RouterClient, router_backend
 from milestream.engines.router import AffinityTable, sglang_router_args
-from servers import MODEL, get_json, post_json, ready_urls, start, stop
+from milestream_testkit.servers import MODEL, get_json, post_json, ready_urls, start, stop
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 

@@ -27,7 +27,7 @@ from milestream.engines.http_engine import EngineHttpError, HttpEngine, RouterCl
 from milestream.infra.model import load_model, load_tokenizer, trainable_state_dict
 from milestream.producers.sessions.server import SessionService
 from milestream.producers.sessions.templates import chat_template
-from servers import MODEL, get_json, post_json, ready_urls, start, stop
+from milestream_testkit.servers import MODEL, get_json, post_json, ready_urls, start, stop
 
 REQUEST_TIMEOUT_S = 10.0  # a 4-token turn of the tiny model takes milliseconds; a silent engine costs this
 HANG_GUARD_S = 120.0

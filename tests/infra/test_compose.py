@@ -137,7 +137,7 @@ def docker_compose(compose_file: Path, *args: str) -> subprocess.CompletedProces
 
 
 @pytest.mark.skipif(DOCKER_COMPOSE is None, reason="no docker-compose binary (Debian bookworm: "
-                    "apt-get install --no-install-recommends docker-compose, as .ci/run does)")
+                    "apt-get install --no-install-recommends docker-compose, as scripts/setup does)")
 def test_docker_compose_accepts_the_file_and_reads_it_as_these_tests_do(tmp_path):
     # `config` validates against compose's schema, service and volume references; it needs no engine
     checked = docker_compose(COMPOSE, "config", "-q")

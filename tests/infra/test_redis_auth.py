@@ -11,7 +11,7 @@ from urllib.parse import quote, urlparse
 import pytest
 import redis
 from certs import tls_redis_server
-from chaos import STAGES, redis_pids, stage_pids
+from milestream_testkit.chaos import STAGES, redis_pids, stage_pids
 from holds import Holds
 from stage_runs import print_logs_unless_done, running, start_run
 

@@ -3,6 +3,8 @@ a redone step's later record wins, a group's first drop wins, fates against the 
 and an audit that fails a group both trained and dropped; the reader's bad-record policies."""
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -31,7 +33,12 @@ def sample(group_id: str) -> GroupManifest:
 
 
 def write_archive(run_dir, messages: dict[topics.TopicSpec, list[Record | bytes]]) -> None:
-    """One segment per topic, every message on partition 0 at offsets 0, 1, ... (raw bytes as given)."""
+    """One segment per topic, every message on partition 0 at offsets 0, 1, ... (raw bytes as given), under
+    the manifest the archiver writes first."""
+    archive_dir(run_dir).mkdir(parents=True)
+    (archive_dir(run_dir) / "manifest.json").write_text(json.dumps({"topic_prefix": "", "topics": {
+        spec.name: {"partitions": 1, "max_message_bytes": spec.max_message_mb * 1024 * 1024}
+        for spec in topics.CATALOGUE}}))
     for spec, values in messages.items():
         folder = archive_dir(run_dir) / spec.name
         folder.mkdir(parents=True)

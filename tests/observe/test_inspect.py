@@ -243,6 +243,30 @@ def test_replay_command_names_a_bad_selection(logged, capsys):
     assert code == 2 and "weights.versions carries no group ids" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("selection, said", [
+    (["--group", "add#9", "--show"], "group add#9: none on the log (its group ids look like "),
+    (["--steps", "999"], "step 999: none on the log (the trained steps are 1 to 2)"),
+    (["--group", "add#0", "--steps", "2"], "each of step 2, group add#0 is met by some sample, no sample meets all"),
+    (["--group", "add#0", "--sample", "7"], "sample 7: none on the log (its groups have 4 samples, indices from 0)"),
+])
+def test_replay_names_what_was_asked_for_when_the_log_has_none(logged, capsys, selection, said):
+    code = main(["replay", "--run-dir", str(logged.cfg.run_path), *selection, "--log-level", "WARNING"])
+    out, err = capsys.readouterr()
+    assert code == 2 and not out
+    assert err.startswith(f"milestream replay: nothing selected from the {G * len(ANSWERS)} samples of the log: ")
+    assert said in err, err
+
+
+def test_track_from_archive_says_it_writes_into_the_old_run_folder(logged, tmp_path, capsys):
+    run_dir = logged.cfg.run_path
+    code = main(["track", "--from-archive", str(run_dir), "--tensorboard", str(tmp_path / "tb"),
+                 "--log-level", "WARNING"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"writing the archived run {run_dir} into its folder: each writer's position under {run_dir / 'tracking'}" in out
+    assert f"tensorboard: writing to {(tmp_path / 'tb').resolve()}" in out
+
+
 def test_processor_redriven_offline_agrees_with_the_log(logged):
     report = redrive_processor(logged.cfg, logged.archive)
     assert report.agrees, report.summary()

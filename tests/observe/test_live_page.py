@@ -4,7 +4,7 @@ with its charts filled in and a decoded trajectory; the metrics stage serving it
 again by the run; the page, never reloaded, follows the run to its last step. Every wait polls the DOM, with
 a generous limit that only guards against a hang.
 
-Without chromium this test skips, except under CI (CI=true), where .ci/run installs it: there it fails."""
+Without chromium this test skips, except under CI (CI=true), where scripts/setup installs it: there it fails."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from chaos import sigkill, stage_pids
+from milestream_testkit.chaos import sigkill, stage_pids
 from holds import Holds
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 
@@ -29,7 +29,7 @@ def chromium():
     if not (browser and driver):
         missing = "chromium and chromedriver (apt-get install chromium chromium-driver)"
         if os.environ.get("CI") == "true":
-            pytest.fail(f"CI needs {missing}: .ci/run installs them")
+            pytest.fail(f"CI needs {missing}: scripts/setup installs them")
         pytest.skip(f"needs {missing}")
     options = Options()
     options.binary_location = browser

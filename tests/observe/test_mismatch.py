@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -74,7 +75,9 @@ def test_the_planted_token_is_named_and_nothing_else_disagrees(finished, capsys)
         "version": victim["token_versions"][PLANTED_AT], "rollout": moved, "trainer": victim["logprobs"][PLANTED_AT],
         "diff": victim["logprobs"][PLANTED_AT] - moved, "topk_gap": 0.0}
     assert f"first disagreement at position {PLANTED_AT}" in printed
-    assert all(word in printed for word in ("rollout", "trainer", "top-k", "KL"))  # the table's header (wrapped)
+    assert all(word in printed for word in ("rollout", "trainer", "top-k", "KL"))  # the table's header
+    # piped, the table's numbers are whole: the planted token's row holds both log-probs to six places
+    assert re.search(rf"{moved:.6f} │ {victim['logprobs'][PLANTED_AT]:.6f} │", printed), printed
     assert out.read_bytes()[:8] == PNG_SIGNATURE and out.stat().st_size > 10_000
 
     # every sample of the run against the trainer, each at the versions of its tokens: only the planted
@@ -84,6 +87,17 @@ def test_the_planted_token_is_named_and_nothing_else_disagrees(finished, capsys)
     differing = [(c.trajectory_id, t.position) for c in every for t in c.tokens if t.diff != 0]
     assert differing == [(victim["trajectory_id"], PLANTED_AT)]
     assert all(t.kl_topk == 0.0 and t.topk_gap == 0.0 for c in every for t in c.tokens)
+    # judged as a run without true on-policy: a gap is expected, the summary says how large and how to have
+    # none, and only a --tolerance given makes the exit status judge it
+    loose = ["mismatch", "--run-dir", str(cfg.run_path), "--trajectory", victim["trajectory_id"], "--out", str(out),
+             "--set", "rollout.true_on_policy=false"]
+    assert main(loose) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "this run had rollout.true_on_policy off" in said and "about 0.04 nats a token on average" in said
+    assert "a report, not a check: the exit status is 0" in said and "--set rollout.true_on_policy=true" in said
+    assert main([*loose, "--tolerance", "0.01"]) == 1  # the planted 2^-5 is beyond it
+    assert "the exit status judges the --tolerance given" in capsys.readouterr().out
+
     # and the worst sample of the run is the planted one
     assert main(["mismatch", "--run-dir", str(cfg.run_path), "--worst", "1", "--out", str(out)]) == 1
     assert f'"trajectory_id": "{victim["trajectory_id"]}"' in capsys.readouterr().out

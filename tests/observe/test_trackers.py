@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from chaos import sigkill
+from milestream_testkit.chaos import sigkill
 from holds import Holds
 from metrics_records import METRICS_RECORDS, STEPS, publish_run, trainer_step
 from tracker_stores import every_store, mlflow_points

@@ -1,4 +1,4 @@
-"""A seeded sample of hostile records (tests/fuzz_records.py) through the real consumers: the stream
+"""A seeded sample of hostile records (milestream_testkit/fuzz_records.py) through the real consumers: the stream
 processor (its own process) and the trainer's collector, with on-policy distillation off and on (then the
 teacher's topic is joined, and fuzzed, too). Each lands on ``deadletter`` naming its topic,
 partition, offset and field; the processor stays up; good groups sent among them, some of whose ids the
@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fuzz_records import GENERIC, HostileRecords
+from milestream_testkit.fuzz_records import GENERIC, HostileRecords
 from synthetic import ProcessorProcess, admit, group_records, topic_reader, wait_until
 
 from milestream.config import Config

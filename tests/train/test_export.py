@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,18 @@ def test_the_cli_exports_a_checkpointed_version_and_names_what_is_no_longer_kept
         export_version(cfg, tmp_path / "v3", version=3)
     with pytest.raises(FileExistsError, match="not empty"):
         export_version(cfg, tmp_path / "v2", version=2)
+
+
+def test_every_exported_file_has_the_mode_the_umask_gives(folder: Path, tmp_path: Path) -> None:
+    cfg = run_config(folder, tmp_path / "run", lora_rank=0)
+    write_full(weights_dir(cfg.run.run_dir), 1, 1, Learner(cfg).export_weights())
+    before = os.umask(0o027)
+    try:
+        export_version(cfg, tmp_path / "out")
+    finally:
+        os.umask(before)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
 
 
 class RecordingProducer:

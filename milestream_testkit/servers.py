@@ -1,5 +1,6 @@
-"""Server processes for the engine tests: started as ``milestream`` subprocesses, each its own process
-group, and waited for by the ``NAME serving URL`` line each prints once it listens."""
+"""Server processes for the engine tests and benchmarks/sessions_load.py: started as ``milestream``
+subprocesses, each its own process group, and waited for by the ``NAME serving URL`` line each prints
+once it listens."""
 from __future__ import annotations
 
 import os

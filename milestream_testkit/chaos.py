@@ -1,5 +1,5 @@
 """Finding and killing the stages and services of a running ``milestream run``, as a crash would: for the
-crash tests, benchmarks/resume.py and benchmarks/chaos.py (the one copy of this code).
+crash tests, benchmarks/resume.py and benchmarks/chaos.py.
 
 A stage is ``python -m milestream.cli COMMAND --config RUN/config.yaml``; the embedded broker and Redis
 are found by the ports the run's configuration names."""
