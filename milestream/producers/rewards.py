@@ -13,15 +13,23 @@ A dict reward trains on its ``reward.key`` component, or on the sum of its compo
 every component is reported as ``reward/<name>`` in the worker's metrics. A reward that raises, times
 out, or returns something else is a ``Reward`` with ``error`` set: the worker records it on the
 trajectory (``reward_error``) and the processor drops the group with that reason, never a silent zero.
+
+A verifier, ``fn`` and ``group_fn`` run in reward processes (infra/process_pool.py), never on the worker's
+event loop: at most ``reward.max_concurrency`` calls at once, each ended after ``reward.timeout_s`` by
+killing its process (a thread could not be stopped). A user's function is imported afresh in those
+processes: what it keeps in globals is per process. The ``math`` verifier does no big-number arithmetic
+on the model's say-so: a number longer than ``MAX_NUMBER_CHARS`` or with an exponent beyond
+``MAX_EXPONENT`` is compared as text (``\\boxed{1e1000000000}`` would take hours as a ``Fraction``).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Protocol
@@ -29,6 +37,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from milestream.config import Config, import_path
+from milestream.infra.process_pool import ProcessFailed, ProcessPool
 from milestream.producers.data import prompt_messages, source_named
 from milestream.producers.tasks import score, tag_score
 from milestream.schemas.records import Prompt
@@ -97,6 +106,9 @@ def _number(value: Any, what: str) -> float:
 _BOXED = re.compile(r"\\boxed\s*\{")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?%?|-?\.\d+%?")
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_EXPONENT = re.compile(r"e([-+]?\d+(?:_\d+)*)\s*$", re.IGNORECASE)  # as Fraction reads one
+MAX_NUMBER_CHARS = 200  # a longer answer is compared as text: its digits are not worth a big-number sum
+MAX_EXPONENT = 400  # past float's range; Fraction("1e1000000000") would compute 10**1000000000
 
 
 def math_answer(text: str) -> str | None:
@@ -121,14 +133,18 @@ def _untex(text: str) -> str:
 
 def math_value(text: str) -> Fraction | str:
     """A number with commas, ``$``, spaces, trailing zeros, ``%``, ``a/b`` and ``\\frac{a}{b}`` normalised;
-    text that is no number comes back stripped, to be compared as text."""
+    text that is no number, or a number too long or too large to be worth big-number arithmetic
+    (``MAX_NUMBER_CHARS``, ``MAX_EXPONENT``), comes back stripped, to be compared as text."""
     plain = _untex(text).replace(",", "").replace("$", "").replace(" ", "").removeprefix("+")
-    percent = plain.endswith("%")
+    number = plain.removesuffix("%")
+    exponent = _EXPONENT.search(number)
+    if len(plain) > MAX_NUMBER_CHARS or (exponent is not None and abs(int(exponent.group(1))) > MAX_EXPONENT):
+        return text.strip()
     try:
-        value = Fraction(plain.removesuffix("%"))
+        value = Fraction(number)
     except (ValueError, ZeroDivisionError):
         return text.strip()
-    return value / 100 if percent else value
+    return value / 100 if number != plain else value
 
 
 def math_equal(answer: str | None, label: str | None) -> bool:
@@ -176,31 +192,42 @@ def default_verifier(cfg: Config) -> str:
 # ---- reward models ----------------------------------------------------------------------------------
 
 
-class SampleFunction:
-    """A function of one sample (a verifier or ``reward.fn``): each sample scored on its own."""
+class PooledReward:
+    """A verifier, ``reward.fn`` or ``reward.group_fn`` (for a group: the whole group in one call), run in
+    reward processes (infra/process_pool.py): off the worker's event loop, at most ``reward.max_concurrency``
+    calls at once, each ended by killing its process after ``reward.timeout_s``."""
 
-    per_group = False
-
-    def __init__(self, fn: Callable[[RewardSample], Any], key: str | None, timeout_s: float | None) -> None:
-        self.fn, self.key, self.timeout_s = fn, key, timeout_s
-
-    async def __call__(self, samples: Sequence[RewardSample]) -> list[Reward]:
-        return list(await asyncio.gather(*(self._one(sample) for sample in samples)))
-
-    async def _one(self, sample: RewardSample) -> Reward:
-        return await _guarded(lambda: self.fn(sample), self.key, self.timeout_s)
-
-
-class GroupFunction:
-    """``reward.group_fn``: the whole group in one call."""
-
-    per_group = True
-
-    def __init__(self, fn: Callable[[list[RewardSample]], Any], key: str | None, timeout_s: float) -> None:
-        self.fn, self.key, self.timeout_s = fn, key, timeout_s
+    def __init__(self, cfg: Config) -> None:
+        self.per_group = bool(cfg.reward.group_fn)
+        self.timeout_s = cfg.reward.timeout_s
+        self._pool = ProcessPool(functools.partial(_scorer, cfg), cfg.reward.max_concurrency, self.timeout_s,
+                                 preload=[__name__])
 
     async def __call__(self, samples: Sequence[RewardSample]) -> list[Reward]:
-        return await _guarded(lambda: self.fn(list(samples)), self.key, self.timeout_s, many=len(samples))
+        if self.per_group:
+            return await self._scored(list(samples), many=len(samples))
+        return list(await asyncio.gather(*(self._scored([sample], many=0) for sample in samples)))
+
+    async def _scored(self, samples: list[RewardSample], many: int) -> Reward | list[Reward]:
+        try:
+            return await self._pool(samples)
+        except asyncio.TimeoutError:
+            return _errors(f"timed out after {self.timeout_s}s", many)
+        except ProcessFailed as exc:
+            return _errors(f"the reward's process failed: {exc}", many)
+
+
+def _scorer(cfg: Config) -> Callable[[list[RewardSample]], Awaitable[Reward | list[Reward]]]:
+    """In a reward process: the configured reward of a list of samples (a group, or one sample)."""
+    reward = cfg.reward
+    if reward.group_fn:
+        group_fn = import_path(reward.group_fn, "reward.group_fn")
+        return lambda samples: _settled(lambda: group_fn(samples), reward.key, many=len(samples))
+    if reward.fn:
+        fn = import_path(reward.fn, "reward.fn")
+        return lambda samples: _settled(lambda: fn(samples[0]), reward.key)
+    verifier = VERIFIERS[default_verifier(cfg)]
+    return lambda samples: _settled(lambda: verifier(samples[0], cfg), None)
 
 
 class RewardService:
@@ -217,7 +244,7 @@ class RewardService:
         self._limit = self._limit or asyncio.Semaphore(self.max_concurrency)
         body = {"samples": [asdict(sample) for sample in samples]}
         async with self._limit:
-            return await _guarded(lambda: self._post(body), None, None, many=len(samples))
+            return await _settled(lambda: self._post(body), None, many=len(samples))
 
     async def _post(self, body: dict) -> list[Reward]:
         failure = ""
@@ -243,15 +270,15 @@ class RewardService:
         return [as_reward(value, self.key) for value in rewards]
 
 
-async def _guarded(call: Callable[[], Any], key: str | None, timeout_s: float | None, many: int = 0) -> Any:
-    """The call's reward(s); its exception or timeout as Reward(s) with ``error`` set.
+async def _settled(call: Callable[[], Any], key: str | None, many: int = 0) -> Reward | list[Reward]:
+    """The call's reward(s) (it may return an awaitable); whatever it raises as Reward(s) with ``error`` set.
 
     ``many``: the call scores that many samples (a list comes back); 0: one sample.
     """
     try:
         raw = call()
         while inspect.isawaitable(raw):  # a sync wrapper may hand back the coroutine of an async __call__
-            raw = await asyncio.wait_for(raw, timeout_s)
+            raw = await raw
         if many and raw and isinstance(raw[0], Reward):
             return raw
         if many:
@@ -259,28 +286,22 @@ async def _guarded(call: Callable[[], Any], key: str | None, timeout_s: float | 
                 raise TypeError(f"returned {raw!r:.200}, not a list of {many} rewards")
             return [as_reward(value, key) for value in raw]
         return as_reward(raw, key)
-    except asyncio.TimeoutError:
-        error = Reward(0.0, error=f"timed out after {timeout_s}s")
     except Exception as exc:  # the user's code: whatever it raises is this sample's reward error
-        error = Reward(0.0, error=f"{type(exc).__name__}: {exc}"[:500])
-    return [error] * many if many else error
+        return _errors(f"{type(exc).__name__}: {exc}"[:500], many)
+
+
+def _errors(error: str, many: int) -> Reward | list[Reward]:
+    failed = Reward(0.0, error=error)
+    return [failed] * many if many else failed
 
 
 def load_reward(cfg: Config) -> RewardModel:
-    """The configured reward; an import path that does not resolve raises ValueError naming it."""
+    """The configured reward; an import path that does not resolve raises ValueError naming it (resolved
+    here, at the start, though the reward processes import it again)."""
     reward = cfg.reward
-    if reward.fn:
-        return SampleFunction(_off_the_loop(import_path(reward.fn, "reward.fn")), reward.key, reward.timeout_s)
-    if reward.group_fn:
-        return GroupFunction(_off_the_loop(import_path(reward.group_fn, "reward.group_fn")), reward.key, reward.timeout_s)
     if reward.url:
         return RewardService(reward.url, reward.key, reward.timeout_s, reward.retries, reward.max_concurrency)
-    verifier = VERIFIERS[default_verifier(cfg)]
-    return SampleFunction(lambda sample: verifier(sample, cfg), None, None)
-
-
-def _off_the_loop(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A user's sync function runs in a thread, so it can be timed out and never blocks generation."""
-    if inspect.iscoroutinefunction(fn):
-        return fn
-    return lambda *args: asyncio.to_thread(fn, *args)
+    for knob in ("fn", "group_fn"):
+        if getattr(reward, knob):
+            import_path(getattr(reward, knob), f"reward.{knob}")
+    return PooledReward(cfg)

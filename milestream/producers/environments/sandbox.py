@@ -41,7 +41,9 @@ filters system calls but cannot tell a connect to the broker on 127.0.0.1 from a
 Fails closed: whether bubblewrap can isolate a call is probed once per process (a real sandboxed
 run). Where it cannot (not installed, no user namespaces), entering a ``Sandbox`` raises
 ``SandboxUnavailable`` unless ``allow_weak`` (``sandbox.allow_weak``): then tools run in the weak
-sandbox, with a warning in the log and ``sandbox_weak`` 1 in the rollout worker's metrics. The weak
+sandbox, with a warning in the log and ``sandbox_weak`` 1 in the rollout worker's metrics; never for a
+worker running as root, where ``unshare -r`` would map tool code to host root (it could signal the worker
+and write into the virtual environment): there entering raises ``SandboxUnavailable``. The weak
 sandbox is what milestream had before: ``python -I`` in the episode folder with the same limits but
 the process count, a network namespace through ``unshare -rn`` where that works, and an audit hook
 refusing socket calls from Python. Where ``unshare`` fails, subprocesses and native code reach the
@@ -149,6 +151,10 @@ class Sandbox:
         if problem is not None and not self.allow_weak:
             raise SandboxUnavailable(f"tools are not run: {problem}; install bubblewrap, or set sandbox.allow_weak: "
                                      "true to run model-written code in the weak sandbox")
+        if problem is not None and os.geteuid() == 0:
+            raise SandboxUnavailable(f"tools are not run: {problem}, and sandbox.allow_weak does not apply to a worker "
+                                     "running as root (the weak sandbox would run model-written code as root); run the "
+                                     "rollout workers as an unprivileged user, or make bubblewrap work here")
         self.weak = problem is not None
         if self.weak:
             _warn_weak(problem)
