@@ -37,7 +37,7 @@ from milestream.config import ModelConfig
 from milestream.engines.http_api import raise_open_files_limit
 from milestream.infra.model import load_tokenizer
 from milestream.producers.sessions.templates import chat_template
-from milestream_testkit.servers import MODEL, ready_urls, start, stop
+from milestream_testkit.servers import CONTROL_HEADERS, MODEL, ready_urls, start, stop
 
 MAX_NEW_TOKENS = 4
 
@@ -134,7 +134,9 @@ async def straight_session(http: aiohttp.ClientSession, engine: str, inputs: lis
 
 def client(timeout_s: float) -> aiohttp.ClientSession:
     # no pool limit (aiohttp's default is 100 connections): every session has its turn in flight at once
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s))
+    # with the run's control token: every route of the session service needs it
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=CONTROL_HEADERS,
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
 async def load(urls: dict, pids: dict, args: argparse.Namespace, stop_id: int) -> dict:

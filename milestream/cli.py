@@ -249,7 +249,7 @@ def _router(cfg: Config, args: argparse.Namespace) -> int:
     if args.sglang:  # the same routing on sglang-router (gpu extra); see sglang_router_args for what differs
         command = sglang_router_args(cfg.router)
         os.execv(command[0], command)
-    serve_router(cfg.router)
+    serve_router(cfg)
     return 0
 
 

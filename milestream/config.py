@@ -220,9 +220,10 @@ class RewardConfig(Section):
     group_fn: str | None = None  # import path: fn(samples) -> list[float | dict[str, float]] (sync or async)
     url: str | None = None  # a reward service: POST {"samples": [...]} -> {"rewards": [...]} (producers/rewards.py)
     key: str | None = None  # of a dict reward, the component that trains; None: the sum of the components
-    timeout_s: float = 30.0  # per call of fn / group_fn / url
+    # per call of the verifier / fn / group_fn (its reward process is killed: the sample's reward_error) / url
+    timeout_s: float = 30.0
     retries: int = 2  # url: further tries after a timeout, a connection error or a 5xx
-    max_concurrency: int = 8  # url: requests in flight per worker
+    max_concurrency: int = 8  # calls in flight per worker: url requests, or reward processes (verifier, fn, group_fn)
 
     @model_validator(mode="after")
     def _check(self) -> "RewardConfig":
@@ -278,7 +279,7 @@ class SandboxConfig(Section):
     bwrap: str = "bwrap"  # bubblewrap, which isolates each call: a name on PATH or a path
     # where bubblewrap cannot isolate a call (not installed, no user namespaces), episodes with tools fail
     # (the sandbox fails closed) unless this is set: then tools run in the weak sandbox, with a warning in
-    # the log and sandbox_weak 1 in the rollout worker's metrics
+    # the log and sandbox_weak 1 in the rollout worker's metrics; never for a worker running as root (refused)
     allow_weak: bool = False
 
 
@@ -402,6 +403,13 @@ class RunConfig(Section):
     prometheus_port: int | None = 0  # milestream run's metrics endpoint: 0 picks a free port, None: none
     max_wall_s: float = 840.0  # a time budget: the run stops at trainer.steps or here, whichever comes first
     max_restarts: int = 3  # milestream run starts a stage that died again, this many times at most
+    # the bearer token of the control routes (engine servers, router, session service; infra/secret_env.py):
+    # None: RUN_DIR/control.token, made (mode 0600) by the first process that needs it. Never written out
+    control_token: SecretStr | None = None
+
+    @field_serializer("control_token", when_used="json")
+    def _token_never_written(self, token: SecretStr | None) -> None:
+        return None
 
 
 class ObserveConfig(Section):
@@ -513,6 +521,8 @@ class SessionsConfig(Section):
     backend: str = "milestream.producers.sessions.server:cpu_engine_backend"
     tokenizer: str | None = None  # import path: fn() -> tokenizer; None: the policy's (model.name)
     max_sessions: int = 1024  # open sessions; creating one more is refused (429) until some close
+    # a session without a request for this long is closed (its samples dropped, its routing key released)
+    idle_expiry_s: float = Field(3600.0, gt=0)
 
 
 class Config(Section):

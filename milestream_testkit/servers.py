@@ -1,6 +1,7 @@
 """Server processes for the engine tests and benchmarks/sessions_load.py: started as ``milestream``
 subprocesses, each its own process group, and waited for by the ``NAME serving URL`` line each prints
-once it listens."""
+once it listens. Every one is given ``CONTROL_TOKEN`` as the run's control token (in its environment, as
+``milestream run`` hands secrets to its stages); ``post_json`` sends it."""
 from __future__ import annotations
 
 import os
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import aiohttp
 
-from milestream.engines.http_api import ROUTING_KEY_HEADER
+from milestream.config import ENV_PREFIX
+from milestream.engines.http_api import ROUTING_KEY_HEADER, authorization
 
+CONTROL_TOKEN = "milestream-test-control-token"
+CONTROL_HEADERS = authorization(CONTROL_TOKEN)
 MODEL = ["--set", "model.name=tiny-random", "--set", "model.dtype=float32", "--set", "model.lora_rank=0"]
 
 
@@ -22,7 +26,8 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
     # its own process group, with faulthandler on: a hung server is sent SIGABRT and its stacks land in its log
     return subprocess.Popen([sys.executable, "-m", "milestream.cli", *args], stdout=subprocess.PIPE,
                             stderr=log.open("a"), text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONFAULTHANDLER": "1",
+                                 f"{ENV_PREFIX}RUN__CONTROL_TOKEN": CONTROL_TOKEN})
 
 
 def ready_urls(process: subprocess.Popen, count: int, log: Path, hang_guard_s: float = 300.0) -> dict[str, str]:
@@ -70,6 +75,6 @@ async def get_json(http: aiohttp.ClientSession, url: str) -> dict:
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict, key: str | None = None) -> tuple[int, dict]:
-    headers = {ROUTING_KEY_HEADER: key} if key is not None else {}
+    headers = {**CONTROL_HEADERS, **({ROUTING_KEY_HEADER: key} if key is not None else {})}
     async with http.post(url, json=body, headers=headers) as reply:
         return reply.status, await reply.json()

@@ -16,9 +16,14 @@ Endpoints, with SGLang's field names:
   POST /continue_generation
   POST /update_weights_from_disk  model_path: a milestream version file of whole-model weights
                                   (``vNNNNNN.safetensors``, checked against its own checksums; a LoRA run's
-                                  merged, as HttpEngine writes them); weight_version: its version (default:
-                                  from the file name)
+                                  merged, as HttpEngine writes them) in one of the run's weight folders
+                                  (RUN_DIR/weights, RUN_DIR/engine-weights; symlinks resolved), else 403;
+                                  weight_version: its version (default: from the file name)
   GET  /health, /get_model_info, /get_server_info, /get_weight_version
+
+The three POSTs other than /generate are control routes: they need the run's control token
+(``Authorization: Bearer TOKEN``, else 401; http_api.Guard). Every request is refused (403) when its Host is
+not one of the server's names or its Origin another site's, and a body that is not JSON gets 415.
 
 The engine is token-in-token-out, like SGLang started with ``--skip-tokenizer-init``: no ``text`` in or
 out. Anything that would change what is sampled and that this engine does not implement (top_p < 1,
@@ -40,15 +45,16 @@ from milestream.config import Config
 from milestream.infra.model import configure_process
 from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, SamplingParams
 from milestream.engines.scoring import ScoreRequest
-from milestream.engines.http_api import (BadRequest, bad_request_as_400, error_response, int_field, int_list,
+from milestream.engines.http_api import (BadRequest, Guard, bad_request_as_400, error_response, int_field, int_list,
                                            json_object, number_field, serve_app)
-from milestream.streams.weights.base import WeightVerificationError, version_of
+from milestream.streams.weights.base import WeightVerificationError, in_weight_folders, version_of
 from milestream.streams.weights.disk import read_verified_full
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # accepted only at the value that leaves sampling unchanged
 NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "min_new_tokens": 0, "frequency_penalty": 0.0,
                     "presence_penalty": 0.0, "repetition_penalty": 1.0}
+CONTROL_ROUTES = frozenset({"/pause_generation", "/continue_generation", "/update_weights_from_disk"})
 TEXT_ONLY_SAMPLING = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}  # no text here
 # sglang-router 0.3.2 re-serializes /generate with these fields at their defaults
 NEUTRAL_REQUEST = {"stream": False, "top_logprobs_num": 0, "logprob_start_len": -1, "data_parallel_rank": None,
@@ -168,16 +174,18 @@ def finish_reason(result: GenerateResult) -> dict[str, Any]:
 
 
 class EngineServer:
-    """One ``CpuEngine`` behind HTTP; counts the requests it holds so routers and tests can see load."""
+    """One ``CpuEngine`` behind HTTP; counts the requests it holds so routers and tests can see load. It loads
+    weight versions from ``run_dir``'s weight folders only."""
 
-    def __init__(self, engine: CpuEngine, engine_id: str, model_name: str) -> None:
-        self.engine, self.engine_id, self.model_name = engine, engine_id, model_name
+    def __init__(self, engine: CpuEngine, engine_id: str, model_name: str, run_dir: Path) -> None:
+        self.engine, self.engine_id, self.model_name, self.run_dir = engine, engine_id, model_name, run_dir
         self.active = 0
         self.served = 0
         self.paused = False
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[bad_request_as_400], client_max_size=64 * 1024 * 1024)
+    def app(self, guard: Guard) -> web.Application:
+        middlewares = [guard.middleware(lambda request: request.path in CONTROL_ROUTES), bad_request_as_400]
+        app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
         app.add_routes([
             web.post("/generate", self.generate), web.put("/generate", self.generate),
             web.post("/pause_generation", self.pause), web.post("/continue_generation", self.resume),
@@ -237,7 +245,12 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        path, version = parse_update_from_disk(await json_object(request))
+        given, version = parse_update_from_disk(await json_object(request))
+        path = in_weight_folders(given, self.run_dir)
+        if path is None:
+            return error_response(HTTPStatus.FORBIDDEN, f"model_path {str(given)!r} is outside the run's weight "
+                                  f"folders ({self.run_dir}/weights, {self.run_dir}/engine-weights, symlinks "
+                                  "resolved): an engine loads versions of its own run only (its --run-dir)")
         try:
             tensors = await asyncio.to_thread(read_verified_full, path, version)
             await self.engine.update_weights(version, tensors)
@@ -291,5 +304,6 @@ def serve_engine(cfg: Config, *, host: str, port: int, engine_id: str) -> None:
     # a whole model, as SGLang holds: a LoRA run's versions arrive merged (http_engine.FullWeights)
     whole = cfg.model.model_copy(update={"lora_rank": 0})
     engine = CpuEngine(whole, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)
-    server = EngineServer(engine, engine_id, cfg.model.path or cfg.model.name)
-    asyncio.run(serve_app(server.app(), host, port, name=f"engine {engine_id}", on_stop=engine.close))
+    server = EngineServer(engine, engine_id, cfg.model.path or cfg.model.name, cfg.run_path.resolve())
+    name = f"engine {engine_id}"
+    asyncio.run(serve_app(server.app(Guard.of(cfg, host, name)), host, port, name=name, on_stop=engine.close))

@@ -1,21 +1,35 @@
 """What the CPU engine server and the router share on the wire: SGLang's error body, JSON field checks
-that name the offending field (and index), and the middleware that turns a bad field into HTTP 400.
+that name the offending field (and index), the middleware that turns a bad field into HTTP 400, and the
+``Guard`` in front of every milestream server (engine, router, session service; the live page's checks).
 
 Kept free of torch so the router process starts in a fraction of a second.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import resource
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
+
+from milestream.config import Config
+from milestream.infra.secret_env import ControlToken, control_token
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+JSON = "application/json"
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 # sglang-router's `manual` policy reads the same header, so one client serves both routers
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -57,9 +71,77 @@ def reply_message(text: str) -> str:
         return text[:500]
 
 
+def authorization(token: str) -> dict[str, str]:
+    """The header a client of a control route sends."""
+    return {hdrs.AUTHORIZATION: f"Bearer {token}"}
+
+
+def host_name(host: str) -> str:
+    """A Host header's name, lower case, without its port: ``[::1]:8000`` -> ``::1``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def browser_refusal(host: str | None, origin: str | None, bind_host: str) -> str | None:
+    """Why a request with these Host and Origin headers is refused (None: it is not). A server bound to one
+    address answers only its own names (that address, loopback names): a web page whose name was rebound to
+    the server's address (DNS rebinding) carries its own name. An Origin, when sent, must be the server's own:
+    a page of another site may send a request but not read the reply, and must not drive the server either."""
+    bound = bind_host.strip("[]").lower()
+    if host is not None and bound not in WILDCARD_HOSTS and host_name(host) not in LOOPBACK_NAMES | {bound}:
+        return (f"Host {host!r} is not a name of this server (bound to {bind_host}; loopback names and that "
+                "address are answered): a page whose name points here is refused")
+    if origin is not None and origin.lower() != f"http://{(host or '').lower()}":
+        return f"Origin {origin!r} is not this server's: a request from another site's page is refused"
+    return None
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Checked before any handler. Every request: its Host and Origin (``browser_refusal``: 403) and, when
+    it has a body, the body's type: JSON only (415), since a form or text/plain is what any web page may
+    send without asking. A control route (``protects``) also needs ``Authorization: Bearer TOKEN`` with the
+    run's control token (401); what only reads, or generates, does not."""
+
+    token: ControlToken
+    bind_host: str
+
+    @classmethod
+    def of(cls, cfg: Config, bind_host: str, name: str) -> "Guard":
+        """The guard of server ``name`` bound to ``bind_host``; says where its callers find the token."""
+        token = control_token(cfg)
+        log.info("%s: control routes take the token in %s ('Authorization: Bearer TOKEN')", name, token.source)
+        return cls(token, bind_host)
+
+    def middleware(self, protects: Callable[[web.Request], bool],
+                   answer: Callable[[int, str], web.Response] = error_response) -> Middleware:
+        @web.middleware
+        async def guarded(request: web.Request, handler: Handler) -> web.StreamResponse:
+            refusal = browser_refusal(request.headers.get(hdrs.HOST), request.headers.get(hdrs.ORIGIN),
+                                      self.bind_host)
+            if refusal is not None:
+                return answer(HTTPStatus.FORBIDDEN, refusal)
+            if protects(request) and not self.authorized(request):
+                refused = answer(HTTPStatus.UNAUTHORIZED, f"{request.method} {request.path} changes this server's "
+                                 "state: it needs the run's control token as 'Authorization: Bearer TOKEN' "
+                                 "(run.control_token, else RUN_DIR/control.token of the server's run folder)")
+                refused.headers[hdrs.WWW_AUTHENTICATE] = "Bearer"
+                return refused
+            if request.body_exists and request.content_type != JSON:
+                return answer(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"{request.method} {request.path}: a body of type "
+                              f"{request.content_type!r}; only {JSON} is accepted")
+            return await handler(request)
+        return guarded
+
+    def authorized(self, request: web.Request) -> bool:
+        given = request.headers.get(hdrs.AUTHORIZATION, "").encode()
+        return hmac.compare_digest(given, authorization(self.token.value)[hdrs.AUTHORIZATION].encode())
+
+
 @web.middleware
-async def bad_request_as_400(request: web.Request,
-                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def bad_request_as_400(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as exc:

@@ -7,6 +7,10 @@ reply's meta_info.output_token_logprobs and weight_version). A CPU engine also r
 every token (meta_info.output_token_weight_versions); from SGLang, every token gets the reply's
 weight_version, which must then be an integer (start SGLang with ``--weight-version 0``).
 
+A client given the run's control token (``token``: infra/secret_env.py ``control_token``) sends it as
+``Authorization: Bearer`` with every request: the control routes (pause, continue, load a version, end a
+session) refuse a request without it, and an SGLang server started with ``--api-key`` takes it the same way.
+
 Engines behind the HTTP API hold whole models: a LoRA run's versions reach them with the adapters
 merged into the base weights (``FullWeights``), never as adapter tensors a whole-model loader cannot take.
 """
@@ -26,9 +30,10 @@ from torch import Tensor
 
 from milestream.config import Config, ModelConfig
 from milestream.engines.engine import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from milestream.engines.http_api import ROUTING_KEY_HEADER, reply_message, transport_failure
+from milestream.engines.http_api import ROUTING_KEY_HEADER, authorization, reply_message, transport_failure
 from milestream.engines.scoring import ScoreRequest
 from milestream.infra.model import load_model, load_trainable_state_dict, merged_weights
+from milestream.infra.secret_env import control_token
 from milestream.streams.weights.disk import prune, write_full
 
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
@@ -129,13 +134,16 @@ class FullWeights:
 class HttpEngine:
     """The ``Engine`` protocol over HTTP. ``routing_key`` names each request's session for a router
     (ignored by a plain engine); ``weights_dir`` is where ``update_weights`` writes a version that the
-    engines then load (a folder they can read): whole-model weights, a LoRA ``model``'s merged."""
+    engines then load (in the run's weight folders, streams/weights/base.py ``engine_weights_dir``): whole-model
+    weights, a LoRA ``model``'s merged; ``token``: the run's control token, for the control routes."""
 
     def __init__(self, url: str, *, routing_key: Callable[[GenerateRequest], str] = group_routing_key,
                  weights_dir: Path | None = None, key_header: str = ROUTING_KEY_HEADER,
-                 timeout_s: float = 600.0, initial_version: int = 0, model: ModelConfig | None = None) -> None:
+                 timeout_s: float = 600.0, initial_version: int = 0, model: ModelConfig | None = None,
+                 token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.routing_key, self.weights_dir, self.key_header = routing_key, weights_dir, key_header
+        self._authorization = authorization(token) if token is not None else {}
         self._full_weights = FullWeights(model) if model is not None and model.lora_rank > 0 else None
         self.timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -197,7 +205,7 @@ class HttpEngine:
         self._version = version
 
     async def post(self, path: str, payload: dict[str, Any], *, routing_key: str | None = None) -> Any:
-        headers = {self.key_header: routing_key} if routing_key is not None else None
+        headers = {**self._authorization, **({self.key_header: routing_key} if routing_key is not None else {})}
         if self._client is None:  # created on the caller's loop
             self._client = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
         try:
@@ -220,8 +228,9 @@ class RouterClient:
     """Token-in-token-out generation through the router: the session service's ``GenerateBackend``
     (``generate(input_ids, sampling, routing_key)``, the same key on every turn of a session)."""
 
-    def __init__(self, url: str, *, key_header: str = ROUTING_KEY_HEADER, timeout_s: float = 600.0) -> None:
-        self._http = HttpEngine(url, key_header=key_header, timeout_s=timeout_s)
+    def __init__(self, url: str, *, key_header: str = ROUTING_KEY_HEADER, timeout_s: float = 600.0,
+                 token: str | None = None) -> None:
+        self._http = HttpEngine(url, key_header=key_header, timeout_s=timeout_s, token=token)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, routing_key: str) -> GenerateResult:
         if not routing_key:
@@ -240,6 +249,7 @@ class RouterClient:
 def router_backend(cfg: Config) -> RouterClient:
     """``sessions.backend=milestream.engines.http_engine:router_backend``: the router at router.host:port.
     It waits a little past the router's own timeout, so the router's answer, which names the engine that
-    failed, arrives before this side gives up."""
+    failed, arrives before this side gives up; it holds the run's control token, for /end_session."""
     return RouterClient(f"http://{cfg.router.host}:{cfg.router.port}", key_header=cfg.router.key_header,
-                        timeout_s=cfg.router.request_timeout_s + ROUTER_REPLY_MARGIN_S)
+                        timeout_s=cfg.router.request_timeout_s + ROUTER_REPLY_MARGIN_S,
+                        token=control_token(cfg).value)

@@ -37,6 +37,11 @@ GET /health answers other than 200. Then:
 
 GET /get_server_info shows each upstream's state (up / down), how often it went down, the requests
 that failed because of it, and the cause of its last failure.
+
+The broadcasts and /end_session are control routes: they need the run's control token (``Authorization:
+Bearer TOKEN``, else 401), which the router sends on to the engines with each broadcast and catch-up, so only
+an update a token holder sent is ever replayed; Host, Origin and JSON bodies are checked as the engine
+server checks them (http_api.Guard).
 """
 from __future__ import annotations
 
@@ -53,13 +58,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from milestream.config import ConfigError, RouterConfig
-from milestream.engines.http_api import (ROUTING_KEY_HEADER, BadRequest, bad_request_as_400, error_response,
-                                           reply_message, serve_app, transport_failure)
+from milestream.config import Config, ConfigError, RouterConfig
+from milestream.engines.http_api import (JSON, ROUTING_KEY_HEADER, BadRequest, Guard, authorization,
+                                           bad_request_as_400, error_response, reply_message, serve_app,
+                                           transport_failure)
 
 log = logging.getLogger(__name__)
 UPSTREAM_HEADER = "X-Milestream-Upstream"  # on each /generate reply: engine index, rank and URL that served it
 BROADCAST_PATHS = ("/pause_generation", "/continue_generation", "/update_weights_from_disk")
+CONTROL_ROUTES = frozenset({*BROADCAST_PATHS, "/end_session"})
 
 
 @dataclass(frozen=True)
@@ -182,8 +189,8 @@ class AffinityTable:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RouterConfig, guard: Guard) -> None:
+        self.cfg, self.guard = cfg, guard
         self.table = AffinityTable(cfg.engines, cfg.max_sessions)
         self._client: aiohttp.ClientSession | None = None
         self._watchers: list[asyncio.Task] = []
@@ -192,7 +199,8 @@ class Router:
         self._catch_up: dict[str, bytes] = {}  # path -> body a rejoining upstream is sent first
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[bad_request_as_400], client_max_size=64 * 1024 * 1024)
+        middlewares = [self.guard.middleware(lambda request: request.path in CONTROL_ROUTES), bad_request_as_400]
+        app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
         app.add_routes([web.post("/generate", self.generate), web.put("/generate", self.generate),
                         web.post("/end_session", self.end_session),
                         *(web.post(path, self.broadcast) for path in BROADCAST_PATHS),
@@ -246,7 +254,7 @@ class Router:
         self.table.active[upstream] += 1
         try:
             async with self._session().post(upstream.url + "/generate", data=body, headers={
-                    "Content-Type": "application/json", self.cfg.key_header: key}) as reply:
+                    "Content-Type": JSON, self.cfg.key_header: key}) as reply:
                 payload = await reply.read()
                 return web.Response(body=payload, status=reply.status, content_type=reply.content_type,
                                     headers={UPSTREAM_HEADER: str(upstream)})
@@ -296,8 +304,8 @@ class Router:
 
     async def _forward(self, upstream: Upstream, path: str, body: bytes) -> dict[str, Any]:
         try:
-            async with self._session().post(upstream.url + path, data=body,
-                                            headers={"Content-Type": "application/json"}) as reply:
+            headers = {"Content-Type": JSON, **authorization(self.guard.token.value)}
+            async with self._session().post(upstream.url + path, data=body, headers=headers) as reply:
                 status, text = reply.status, await reply.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return {"upstream": str(upstream), "status": HTTPStatus.BAD_GATEWAY,
@@ -373,6 +381,7 @@ def sglang_router_args(cfg: RouterConfig) -> list[str]:
             "--request-timeout-secs", str(int(cfg.request_timeout_s))]
 
 
-def serve_router(cfg: RouterConfig) -> None:
-    """Serve until SIGTERM; prints ``router serving http://HOST:PORT`` once ready."""
-    asyncio.run(serve_app(Router(cfg).app(), cfg.host, cfg.port, name="router"))
+def serve_router(cfg: Config) -> None:
+    """Serve ``cfg.router`` until SIGTERM; prints ``router serving http://HOST:PORT`` once ready."""
+    router = Router(cfg.router, Guard.of(cfg, cfg.router.host, "router"))
+    asyncio.run(serve_app(router.app(), cfg.router.host, cfg.router.port, name="router"))

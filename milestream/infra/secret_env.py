@@ -12,18 +12,27 @@ The password of the run's embedded Redis is made for the run, so no operator kno
 it to RUN_DIR/credentials.json, created with mode 0600 (readable by the same user and root, who can read the
 stages' environment anyway), and removes it when the run ends, with the Redis. A stage started with the
 run's config.yaml (or its --run-dir) that has no Redis password of its own reads it there (``joining``).
+
+The control routes of the engine servers, the router and the session service (pause, continue, load a weight
+version, open or end a session) take a bearer token (``control_token``): ``run.control_token`` when given (in
+the environment, as the Redis password), else the one in RUN_DIR/control.token, which the first process that
+needs one creates (mode 0600) and every later one reads. It stays with the folder: an engine started by hand
+before the run, and still serving after it, holds the token the run's stages read.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from milestream.config import ENV_PREFIX, BrokerConfig, Config, RedisConfig
 
 CREDENTIALS_FILE = "credentials.json"
+CONTROL_TOKEN_FILE = "control.token"
 
 
 def secret_environment(cfg: Config) -> dict[str, str]:
@@ -31,6 +40,8 @@ def secret_environment(cfg: Config) -> dict[str, str]:
     env = {}
     if cfg.redis.password is not None:
         env[f"{ENV_PREFIX}REDIS__PASSWORD"] = json.dumps(cfg.redis.password.get_secret_value())
+    if cfg.run.control_token is not None:
+        env[f"{ENV_PREFIX}RUN__CONTROL_TOKEN"] = json.dumps(cfg.run.control_token.get_secret_value())
     if BrokerConfig.SECRET_CLIENT_KEYS & cfg.broker.client.keys():
         # a variable for broker.client replaces the file's whole dict: it carries every key
         env[f"{ENV_PREFIX}BROKER__CLIENT"] = json.dumps(cfg.broker.client)
@@ -74,3 +85,31 @@ def joining(cfg: Config) -> Config:
     if saved["redis"]["url"] != cfg.redis.url:  # left by a killed run, whose Redis is gone
         return cfg
     return cfg.with_overrides(redis={"password": saved["redis"]["password"]})
+
+
+@dataclass(frozen=True)
+class ControlToken:
+    value: str
+    source: str  # where a caller finds it: the knob, or the file's path
+
+
+def control_token(cfg: Config) -> ControlToken:
+    """The bearer token of the run's control routes: ``run.control_token``, else RUN_DIR/control.token,
+    created (mode 0600) when missing. Processes that create it at once agree: each writes its own file and
+    links it to the name, which only the first link takes."""
+    if cfg.run.control_token is not None:
+        return ControlToken(cfg.run.control_token.get_secret_value(), "run.control_token")
+    path = (cfg.run_path / CONTROL_TOKEN_FILE).resolve()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_name(f".{CONTROL_TOKEN_FILE}.{os.getpid()}")
+        staged.unlink(missing_ok=True)  # left by a killed process of the same id
+        with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(secrets.token_urlsafe(32))
+        try:
+            os.link(staged, path)
+        except FileExistsError:  # another process made it first: its token is the folder's
+            pass
+        finally:
+            staged.unlink()
+    return ControlToken(path.read_text().strip(), str(path))

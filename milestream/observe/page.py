@@ -10,6 +10,10 @@ and held-out accuracy by step, staleness, queue and credit, drops by reason, wei
 engine's acknowledgement, and the newest trajectories decoded with the weight version of every token. The
 stage reads the topics from their beginning, so a restarted stage (or a run resumed from its archive)
 serves the whole run again; the page keeps asking through the gap and redraws from what it gets.
+
+Every route only reads, so none asks for the control token; but /api/run carries decoded prompts and
+responses, so a request whose Host is not the server's own name (a page rebound to this address by DNS) or
+whose Origin is another site's is refused with 403 (engines/http_api.py ``browser_refusal``).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from milestream.config import Config
+from milestream.engines.http_api import browser_refusal
 from milestream.observe.feed import Observed
 from milestream.observe.series import RunSeries, evaluated
 from milestream.schemas.records import Metrics, Trajectory
@@ -128,10 +133,15 @@ class RunPage:
 
 
 def serve_http(port: int, addr: str, routes: dict[str, Callable[[], tuple[str, bytes]]]) -> ThreadingHTTPServer:
-    """A server answering GET of each route with its (content type, body), in a daemon thread."""
+    """A server answering GET of each route with its (content type, body), in a daemon thread; a request from
+    a page of another name or site is refused (``browser_refusal``)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server name
+            refusal = browser_refusal(self.headers.get("Host"), self.headers.get("Origin"), addr)
+            if refusal is not None:
+                self.send_error(403, explain=refusal)
+                return
             route = routes.get(self.path.split("?", 1)[0])
             if route is None:
                 self.send_error(404)

@@ -463,10 +463,12 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
     disk files this worker stages under the run folder."""
     if cfg.rollout.engine_url:
         from milestream.engines.http_engine import ROUTER_REPLY_MARGIN_S, HttpEngine
+        from milestream.infra.secret_env import control_token
+        from milestream.streams.weights.base import engine_weights_dir
 
         # past the router's own timeout, so the router's answer (which names the engine that failed) comes first
-        return HttpEngine(cfg.rollout.engine_url, weights_dir=cfg.run_path / "engine-weights" / worker_id,
-                          key_header=cfg.router.key_header, model=cfg.model,
+        return HttpEngine(cfg.rollout.engine_url, weights_dir=engine_weights_dir(cfg.run_path) / worker_id,
+                          key_header=cfg.router.key_header, model=cfg.model, token=control_token(cfg).value,
                           timeout_s=cfg.router.request_timeout_s + ROUTER_REPLY_MARGIN_S)
     seed = cfg.model.seed * 1000 + zlib.crc32(worker_id.encode()) % 1000
     return CpuEngine(cfg.model, cfg.rollout, seed=seed, inflight=cfg.weights.inflight)

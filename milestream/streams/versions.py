@@ -2,9 +2,10 @@
 
 A version is announced by the run's trainer alone: never past the newest version it told the ledger of
 (``BufferLedger.trainer_version``), over the run's transport, with one xxh64 per tensor and, for the disk
-transports, a file of that version in the run's weights folder. An acknowledgement comes from a named
-engine, with its checksums, or a refusal that says why. A record that breaks a rule raises RecordError
-naming its field, and its reader dead-letters it.
+transports, a file of that version in the run's weights folder; for the others, a rendezvous at
+``weights.sender_host`` (a forged record sends no engine to another machine). An acknowledgement comes
+from a named engine, with its checksums, or a refusal that says why. A record that breaks a rule raises
+RecordError naming its field, and its reader dead-letters it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import math
 import re
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 from milestream.config import Config
 from milestream.schemas.codec import Position, RecordError
@@ -30,7 +32,8 @@ def weights_dir(run_dir: str | Path) -> Path:
 def check_version(cfg: Config, record: WeightVersion, position: Position, trainer_version: int | None) -> None:
     """Raise RecordError naming the field of an announcement the run's trainer did not make: a version past
     the newest it announced (``BufferLedger.trainer_version``; None: unknown, no bound), another transport,
-    a file outside the run's weights folder, checksums that are not one xxh64 per tensor."""
+    a file outside the run's weights folder, a rendezvous at another host than weights.sender_host, checksums
+    that are not one xxh64 per tensor."""
     def bad(field: str, reason: str) -> RecordError:
         return RecordError(position, field, reason)
 
@@ -48,6 +51,17 @@ def check_version(cfg: Config, record: WeightVersion, position: Position, traine
         named = re.fullmatch(rf"v{record.version:06d}\.(safetensors|delta)", path.name)
         if not path.is_absolute() or path.parent != folder or ".." in path.parts or not named:
             raise bad("location", f"{record.location!r} is not version {record.version}'s file in {folder}")
+    elif _host(record.location) != cfg.weights.sender_host.lower():
+        raise bad("location", f"{record.location!r}: the rendezvous of the run's trainer is at "
+                              f"weights.sender_host {cfg.weights.sender_host!r}, not there")
+
+
+def _host(location: str) -> str | None:
+    """The host of a rendezvous address ``scheme://host:port/...`` (lower case), None when it has none."""
+    try:
+        return urlsplit(location).hostname
+    except ValueError:
+        return None
 
 
 def version_check(cfg: Config, ledger: BufferLedger) -> Callable[[list[WeightVersion], Position], None]:

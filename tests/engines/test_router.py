@@ -21,7 +21,8 @@ from milestream.engines.engine import GenerateRequest, GenerateResult, SamplingP
 from milestream.engines.http_api import ROUTING_KEY_HEADER
 from milestream.engines.http_engine import EngineHttpError, HttpEngine, RouterClient, router_backend
 from milestream.engines.router import AffinityTable, sglang_router_args
-from milestream_testkit.servers import MODEL, get_json, post_json, ready_urls, start, stop
+from milestream.streams.weights.base import engine_weights_dir
+from milestream_testkit.servers import CONTROL_TOKEN, MODEL, get_json, post_json, ready_urls, start, stop
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
@@ -30,19 +31,21 @@ SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 class Cluster:
     engines: list[str]  # engine i is "e-i"
     router: str
+    run_dir: Path  # the engines load weight versions from its weight folders only
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("router")
-    engines = start(["engine", "--engines", "3", "--port", "0", "--engine-id", "e", *MODEL], logs / "engines.log")
+    engines = start(["engine", "--engines", "3", "--port", "0", "--engine-id", "e", "--run-dir", str(logs), *MODEL],
+                    logs / "engines.log")
     try:
         by_name = ready_urls(engines, 3, logs / "engines.log")
         urls = [by_name[f"engine e-{i}"] for i in range(3)]
         router = start(["router", "--set", f"router.engines=[{', '.join(urls)}]", "--set", "router.port=0"],
                        logs / "router.log")
         try:
-            yield Cluster(urls, ready_urls(router, 1, logs / "router.log")["router"])
+            yield Cluster(urls, ready_urls(router, 1, logs / "router.log")["router"], logs)
         finally:
             stop(router)
     finally:
@@ -98,7 +101,8 @@ def test_a_session_stays_on_one_engine_and_new_sessions_go_to_the_least_loaded(c
 
             # the session service's backend (sessions.backend=...:router_backend): generate(ids, sampling, key)
             port = int(cluster.router.rsplit(":", 1)[1])
-            client = router_backend(Config().with_overrides(router={"port": port, "engines": [cluster.engines]}))
+            client = router_backend(Config().with_overrides(router={"port": port, "engines": [cluster.engines]},
+                                                            run={"control_token": CONTROL_TOKEN}))
             before = await _served(http, cluster)
             result = await client.generate(history["d"], SAMPLING, "d")
             after = await _served(http, cluster)
@@ -126,14 +130,15 @@ def test_a_request_without_a_routing_key_is_refused_and_reaches_no_engine(cluste
     asyncio.run(scenario())
 
 
-def test_http_engine_updates_every_engine_behind_the_router(cluster: Cluster, tmp_path: Path) -> None:
+def test_http_engine_updates_every_engine_behind_the_router(cluster: Cluster) -> None:
     """The rollout worker's Engine protocol over HTTP: pause, a new version from disk on all three
     engines, resume; the tokens carry the new version."""
     model = load_model(ModelConfig(name="tiny-random", dtype="float32", lora_rank=0), dtype=torch.float32)
     tensors = {name: tensor + 0.01 for name, tensor in trainable_state_dict(model).items()}
 
     async def scenario() -> None:
-        engine = HttpEngine(cluster.router, weights_dir=tmp_path / "staged")
+        staged = engine_weights_dir(cluster.run_dir) / "staged"
+        engine = HttpEngine(cluster.router, weights_dir=staged, token=CONTROL_TOKEN)
         try:
             await engine.pause()
             await engine.update_weights(1, tensors)
@@ -145,7 +150,7 @@ def test_http_engine_updates_every_engine_behind_the_router(cluster: Cluster, tm
             results = [await engine.generate_keyed(_request(f"g{i}/0"), f"g{i}") for i in range(3)]
             assert all(r.versions == (1,) * 4 for r in results)
             with pytest.raises(EngineHttpError, match="failed on 3 of 3 upstreams.*v000002.safetensors: No such file"):
-                await engine.update_weights_from_disk(tmp_path / "v000002.safetensors", 2)
+                await engine.update_weights_from_disk(staged / "v000002.safetensors", 2)
         finally:
             await engine.close()
 

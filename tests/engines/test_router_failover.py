@@ -23,11 +23,15 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from milestream.config import ModelConfig, RolloutConfig
 from milestream.engines.engine import SamplingParams
+from milestream.engines.http_api import Guard
 from milestream.engines.http_engine import EngineHttpError, HttpEngine, RouterClient
 from milestream.infra.model import load_model, load_tokenizer, trainable_state_dict
+from milestream.infra.secret_env import ControlToken
 from milestream.producers.sessions.server import SessionService
 from milestream.producers.sessions.templates import chat_template
-from milestream_testkit.servers import MODEL, get_json, post_json, ready_urls, start, stop
+from milestream.streams.weights.base import engine_weights_dir
+from milestream_testkit.servers import (CONTROL_HEADERS, CONTROL_TOKEN, MODEL, get_json, post_json, ready_urls, start,
+                                        stop)
 
 REQUEST_TIMEOUT_S = 10.0  # a 4-token turn of the tiny model takes milliseconds; a silent engine costs this
 HANG_GUARD_S = 120.0
@@ -43,7 +47,8 @@ class Fleet:
     opened: list[str] = field(default_factory=list)  # every routing key used, so each test takes new ones
 
     def start_engine(self, index: int, port: int = 0) -> subprocess.Popen:
-        return start(["engine", "--port", str(port), "--engine-id", f"e-{index}", *MODEL], self.logs / f"e-{index}.log")
+        return start(["engine", "--port", str(port), "--engine-id", f"e-{index}", "--run-dir", str(self.logs), *MODEL],
+                     self.logs / f"e-{index}.log")
 
     def restart(self, index: int) -> None:
         self.processes[index] = self.start_engine(index, port=int(self.urls[index].rsplit(":", 1)[1]))
@@ -120,8 +125,7 @@ async def _sessions_on_a_fleet_all_up(http: aiohttp.ClientSession, fleet: Fleet,
         await _state_is(http, fleet, index, "up")
     return await _sessions_on_every_engine(http, fleet, per_engine=per_engine)
 
-def test_a_killed_engine_fails_its_requests_fast_loses_its_sessions_and_rejoins_caught_up(
-        fleet: Fleet, tmp_path: Path) -> None:
+def test_a_killed_engine_fails_its_requests_fast_loses_its_sessions_and_rejoins_caught_up(fleet: Fleet) -> None:
     model = load_model(ModelConfig(name="tiny-random", dtype="float32", lora_rank=0), dtype=torch.float32)
     tensors = {name: tensor + 0.01 for name, tensor in trainable_state_dict(model).items()}
     victim = fleet.urls[1]
@@ -167,7 +171,8 @@ def test_a_killed_engine_fails_its_requests_fast_loses_its_sessions_and_rejoins_
             await client.close()
 
             # a weight update while e-1 is down: the live two take it, the reply names the one skipped
-            engine = HttpEngine(fleet.router, weights_dir=tmp_path / "staged")
+            staged = engine_weights_dir(fleet.logs) / "staged"
+            engine = HttpEngine(fleet.router, weights_dir=staged, token=CONTROL_TOKEN)
             await engine.pause()
             await engine.update_weights(1, tensors)
             await engine.resume()
@@ -221,10 +226,12 @@ def test_the_session_service_over_the_router_answers_a_lost_turn_with_502_and_re
     that engine, the session stays as it was (the same turn again goes to a live engine), and closing
     the session releases its routing key."""
     service = SessionService(chat_template(load_tokenizer(ModelConfig(name="tiny-random"))),
-                             RouterClient(fleet.router), RolloutConfig())
+                             RouterClient(fleet.router, token=CONTROL_TOKEN), RolloutConfig())
+    guard = Guard(ControlToken(CONTROL_TOKEN, "the test"), "127.0.0.1")
 
     async def scenario() -> None:
-        async with aiohttp.ClientSession() as http, TestClient(TestServer(service.app())) as agent:
+        async with aiohttp.ClientSession() as http, \
+                TestClient(TestServer(service.app(guard)), headers=CONTROL_HEADERS) as agent:
             for index in range(3):
                 await _state_is(http, fleet, index, "up")
             held_before = [u["sessions"] for u in await _upstreams(http, fleet)]

@@ -11,6 +11,8 @@ from transformers import PreTrainedTokenizerBase
 
 from milestream.config import RolloutConfig
 from milestream.engines.engine import CpuEngine, GenerateResult, SamplingParams
+from milestream.engines.http_api import Guard, authorization
+from milestream.infra.secret_env import ControlToken
 from milestream.producers.sessions.server import EngineBackend, SessionService
 from milestream.producers.sessions.templates import chat_template
 
@@ -50,7 +52,7 @@ async def bad_requests(client: TestClient) -> list[tuple[int, str]]:
     answers = [
         await client.post(chat, json={"messages": [{"role": "robot", "content": "hi"}]}),
         await client.post(chat, json={"messages": [{"role": "user", "content": "hi"}], "sampling": {"top_k": 3}}),
-        await client.post(chat, data=b"not json"),
+        await client.post(chat, data=b"not json", headers={"Content-Type": "application/json"}),
         await client.post("/sessions", json={"match": "fuzzy"}),
         await client.get("/sessions/nope/samples"),
     ]
@@ -65,7 +67,8 @@ def test_session_service_over_http_with_the_tiny_model(make_engine: Callable[...
     service = SessionService(chat_template(tokenizer), backend, RolloutConfig())
 
     async def scenario() -> tuple[list, list]:
-        async with TestClient(TestServer(service.app())) as client:
+        guard = Guard(ControlToken("token", "the test"), "127.0.0.1")
+        async with TestClient(TestServer(service.app(guard)), headers=authorization("token")) as client:
             runs = await asyncio.gather(conversation(client, "What is 2 + 3?"), conversation(client, "Name a color."))
             return runs, await bad_requests(client)
 

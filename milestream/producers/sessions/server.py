@@ -10,7 +10,13 @@ key (a cache-affine router keeps every turn of a session on one engine) and stop
 template's end-of-turn token. Bad requests get a 400 naming the field (``messages[3].role``); a turn
 the backend fails (an engine down behind the router) gets a 502 with the backend's error, and the
 session stays as it was before the turn. Closing a session tells a routing backend (one with
-``end_session``, as ``RouterClient``) to forget its key.
+``end_session``, as ``RouterClient``) to forget its key; so does closing a session that had no request for
+``sessions.idle_expiry_s`` (a turn in flight counts as use until it ends), which any later request finds gone
+(404).
+
+Every route needs the run's control token (``Authorization: Bearer TOKEN``, else 401): each opens, extends,
+reads or closes a session. A Host that is not the service's, another site's Origin (403) and a body that is
+not JSON (415) are refused before any route (engines/http_api.py ``Guard``).
 """
 from __future__ import annotations
 
@@ -19,15 +25,18 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
+import time
 import uuid
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from milestream.config import Config, RolloutConfig, import_path
 from milestream.engines.engine import Engine, GenerateRequest, GenerateResult, SamplingParams
-from milestream.engines.http_api import serve_app
+from milestream.engines.http_api import Guard, serve_app
 from milestream.producers.sessions.templates import ChatTemplate, TemplateError, chat_template
 from milestream.producers.sessions.tito import MATCH_LEVELS, MatchLevel, TokenSession
 
@@ -64,16 +73,21 @@ class RequestError(ValueError):
 
 class SessionService:
     def __init__(self, template: ChatTemplate, backend: GenerateBackend, rollout: RolloutConfig, *,
-                 match: MatchLevel = "strict", max_sessions: int = 1024) -> None:
+                 match: MatchLevel = "strict", max_sessions: int = 1024, idle_expiry_s: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.template = template
         self.backend = backend
         self.rollout = rollout
         self.match = match
         self.max_sessions = max_sessions
+        self.idle_expiry_s, self.clock = idle_expiry_s, clock
         self.sessions: dict[str, TokenSession] = {}
+        # session id -> when it was last used (inf while a turn runs), least recently used first
+        self._used: OrderedDict[str, float] = OrderedDict()
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_as_json])
+    def app(self, guard: Guard) -> web.Application:
+        every_route = guard.middleware(lambda request: True, answer=_error)
+        app = web.Application(middlewares=[every_route, self._closing_idle, _errors_as_json])
         app.add_routes([
             web.post("/sessions", self.create),
             web.post("/sessions/{session_id}/chat", self.chat),
@@ -93,6 +107,7 @@ class SessionService:
                                           content_type="application/json")
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = TokenSession(self.template, match)
+        self._used[session_id] = self.clock()
         return web.json_response({"session_id": session_id, "template": self.template.name, "match": match},
                                  status=201)
 
@@ -101,10 +116,15 @@ class SessionService:
         body = await _json_body(request)
         turn = session.begin(body.get("messages"), body.get("tools"))
         sampling = self._sampling(body.get("sampling", {}))
+        self._used[session_id] = math.inf  # never idle while its turn runs
         try:
             result = await self.backend.generate(list(turn.prompt_ids), sampling, session_id)
         except Exception as exc:  # noqa: BLE001 - the agent gets the backend's own words (which engine failed, why)
             return web.json_response({"error": f"session {session_id}: generation failed: {exc}"}, status=502)
+        finally:
+            if session_id in self._used:
+                self._used[session_id] = self.clock()
+                self._used.move_to_end(session_id)
         message = session.finish(turn, result.output_ids, result.logprobs, result.versions)
         return web.json_response({
             "message": message,
@@ -120,20 +140,39 @@ class SessionService:
 
     async def close(self, request: web.Request) -> web.Response:
         session_id, session = self._session(request)
-        del self.sessions[session_id]
-        end_session = getattr(self.backend, "end_session", None)
-        if end_session is not None:  # a router behind the backend forgets the key, so its table stays small
-            try:
-                await end_session(session_id)
-            except Exception as exc:  # noqa: BLE001 - the samples matter more; the router's LRU drops the key in time
-                log.warning("session %s closed, but the backend did not release its key: %s", session_id, exc)
+        await self._forget([session_id])
         return web.json_response({"samples": [dataclasses.asdict(s) for s in session.samples()]})
+
+    async def _forget(self, session_ids: list[str]) -> None:
+        """Drop the sessions; a routing backend (one with ``end_session``) forgets their keys, so its table
+        stays small."""
+        for session_id in session_ids:
+            del self.sessions[session_id], self._used[session_id]
+        end_session = getattr(self.backend, "end_session", None)
+        if end_session is None:
+            return
+        released = await asyncio.gather(*map(end_session, session_ids), return_exceptions=True)
+        for session_id, outcome in zip(session_ids, released):
+            if isinstance(outcome, Exception):  # the samples matter more; the router's LRU drops the key in time
+                log.warning("session %s closed, but the backend did not release its key: %s", session_id, outcome)
+
+    @web.middleware
+    async def _closing_idle(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Before each request, close the sessions idle for sessions.idle_expiry_s, least recently used first."""
+        idle_since = self.clock() - self.idle_expiry_s
+        idle = list(itertools.takewhile(lambda used: used[1] <= idle_since, self._used.items()))
+        if idle:
+            log.info("%d sessions closed: no request for %g s (sessions.idle_expiry_s)", len(idle), self.idle_expiry_s)
+            await self._forget([session_id for session_id, _ in idle])
+        return await handler(request)
 
     def _session(self, request: web.Request) -> tuple[str, TokenSession]:
         session_id = request.match_info["session_id"]
         if session_id not in self.sessions:
-            raise web.HTTPNotFound(text=json.dumps({"error": f"no open session {session_id!r}"}),
-                                   content_type="application/json")
+            raise web.HTTPNotFound(text=json.dumps({"error": f"no open session {session_id!r} (closed, or idle "
+                                                   "past sessions.idle_expiry_s)"}), content_type="application/json")
+        self._used[session_id] = max(self._used[session_id], self.clock())  # a turn in flight stays inf
+        self._used.move_to_end(session_id)
         return session_id, self.sessions[session_id]
 
     def _sampling(self, fields: Any) -> SamplingParams:
@@ -161,12 +200,16 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> dict[st
     return body
 
 
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
 @web.middleware
 async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except (RequestError, TemplateError) as exc:
-        return web.json_response({"error": str(exc)}, status=400)
+        return _error(400, str(exc))
 
 
 def build_service(cfg: Config) -> SessionService:
@@ -178,8 +221,8 @@ def build_service(cfg: Config) -> SessionService:
 
         tokenizer = load_tokenizer(cfg.model)
     backend = import_path(cfg.sessions.backend, "sessions.backend")(cfg)
-    return SessionService(chat_template(tokenizer), backend, cfg.rollout,
-                          match=cfg.sessions.match, max_sessions=cfg.sessions.max_sessions)
+    return SessionService(chat_template(tokenizer), backend, cfg.rollout, match=cfg.sessions.match,
+                          max_sessions=cfg.sessions.max_sessions, idle_expiry_s=cfg.sessions.idle_expiry_s)
 
 
 def serve_sessions(cfg: Config) -> None:
@@ -188,4 +231,5 @@ def serve_sessions(cfg: Config) -> None:
     service = build_service(cfg)
     log.info("session service: template %s, match %s", service.template.name, service.match)
     close = getattr(service.backend, "close", None)
-    asyncio.run(serve_app(service.app(), cfg.sessions.host, cfg.sessions.port, name="sessions", on_stop=close))
+    guard = Guard.of(cfg, cfg.sessions.host, "sessions")
+    asyncio.run(serve_app(service.app(guard), cfg.sessions.host, cfg.sessions.port, name="sessions", on_stop=close))

@@ -161,3 +161,16 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
 def version_of(path: Path) -> int:
     """``v000012.safetensors`` / ``v000012.delta`` -> 12."""
     return int(path.name[1:].split(".", 1)[0])
+
+
+def engine_weights_dir(run_dir: str | Path) -> Path:
+    """Where a client of HTTP engines (``HttpEngine``) stages the versions they load: RUN_DIR/engine-weights."""
+    return Path(run_dir) / "engine-weights"
+
+
+def in_weight_folders(path: Path, run_dir: str | Path) -> Path | None:
+    """``path`` with every symlink resolved, if it lies in one of the run's weight folders (RUN_DIR/weights,
+    RUN_DIR/engine-weights, resolved too); else None."""
+    real = Path(path).resolve()
+    folders = (weights_dir(run_dir).resolve(), engine_weights_dir(run_dir).resolve())
+    return real if any(real.is_relative_to(folder) for folder in folders) else None

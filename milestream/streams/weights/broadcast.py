@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -86,12 +87,35 @@ def default_device() -> torch.device:
 
 
 def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store: the server (``is_master``) listens on ``host``'s address alone (torch's own
+    socket would listen on every interface, whatever the host); a client connects to it."""
+    listen_fd = None
+    if is_master:
+        listening = _listening_socket(host, port)
+        port, listen_fd = listening.getsockname()[1], listening.detach()  # the store owns the socket now
     try:
         return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=listen_fd)
     except (RuntimeError, TimeoutError) as exc:  # the store client retries connecting until the timeout
         raise WeightTransferError(f"no weight rendezvous at tcp://{host}:{port} after {timeout_s:.0f}s "
                                   f"(is the trainer running?): {exc}") from exc
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``'s address (weights.sender_host): engines on other machines reach only
+    what that name resolves to here, so it must not resolve to loopback on a cluster."""
+    bound = None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        bound = socket.socket(family, kind, proto)
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound.bind(address)
+    except OSError as exc:
+        if bound is not None:
+            bound.close()
+        raise WeightTransferError(f"the weight rendezvous cannot listen on {host}:{port} (weights.sender_host: "
+                                  f"an address or name of this machine): {exc}") from exc
+    return bound
 
 
 def new_group(store: dist.Store, name: str, rank: int, world_size: int, device: torch.device,
