@@ -59,6 +59,7 @@ from pathlib import Path
 
 from milestream.config import load_config
 from milestream.log.accounting import LoggedRun, trainer_position
+from milestream.log.archive import archive_dir
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import ArchiveSource, read_archive_fields
 from milestream.observe.report import summarise
@@ -122,7 +123,10 @@ class Run:
 
     def trainer_steps(self) -> list[tuple[int, float]]:
         """(step, trainer's time) of each step record archived so far: a step the run printed may have
-        been made before a kill that came since, its record stamped when it was made is not."""
+        been made before a kill that came since, its record stamped when it was made is not. None before the
+        archiver has written its manifest (the run is starting)."""
+        if not (archive_dir(self.run_dir) / "manifest.json").exists():
+            return []
         steps = [(r["step"], r["ts"]) for m in read_archive_fields(self.run_dir, topics.METRICS, ["source", "step", "ts"])
                  for r in m.records if r["source"] == "trainer"]
         if (newest := max((ts for _, ts in steps), default=0.0)) > self.newest:
