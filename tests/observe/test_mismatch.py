@@ -83,7 +83,8 @@ def test_the_planted_token_is_named_and_nothing_else_disagrees(finished, capsys)
     # every sample of the run against the trainer, each at the versions of its tokens: only the planted
     # token differs, the top-k too agree exactly (its KL is 0)
     every = compare(cfg, comparable(sample_table(ArchiveSource(cfg.run_path), text_decoder(cfg))).to_pylist())
-    assert len(every) == len(rows) and {v for r in rows for v in r["token_versions"]} >= {0, 1}
+    # the samples span two versions or more (which ones depends on when each version reached the engine)
+    assert len(every) == len(rows) and len({v for r in rows for v in r["token_versions"]}) >= 2
     differing = [(c.trajectory_id, t.position) for c in every for t in c.tokens if t.diff != 0]
     assert differing == [(victim["trajectory_id"], PLANTED_AT)]
     assert all(t.kl_topk == 0.0 and t.topk_gap == 0.0 for c in every for t in c.tokens)
