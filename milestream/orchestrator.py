@@ -184,12 +184,17 @@ class Monitor:
         self.producer.close()  # its client's threads stop: once the broker is gone they would log each reconnect
 
 
+def check_services(live: Services) -> None:
+    """ServiceLost when an embedded service died."""
+    if lost := live.lost():
+        raise ServiceLost(" and ".join(f"the embedded {s.name} exited with {s.proc.returncode}" for s in lost))
+
+
 def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child, stopping: bool = False) -> None:
     """Start again each stage that died (the trainer not once it is ``stopping``); raise when one died too
     often, or ServiceLost. A service is looked at first: the stages it took down with it are not restarts to
     count."""
-    if lost := live.lost():
-        raise ServiceLost(" and ".join(f"the embedded {s.name} exited with {s.proc.returncode}" for s in lost))
+    check_services(live)
     for child in children:
         code = child.proc.poll()
         if code is None or (child is trainer and (code == 0 or stopping)):
@@ -207,7 +212,11 @@ def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, m
     """Watch until the trainer finishes, restarting stages that die; returns why the run ended."""
     stopped_by = "steps"
     while (code := trainer.proc.poll()) != 0 and not (code is not None and stopped_by == "wall_budget"):
-        monitor.poll()
+        try:
+            monitor.poll()  # its check asks the ledger whether a dropped group was sent
+        except Exception:
+            check_services(live)  # Redis died under that question: recovered as any service loss
+            raise
         # told to stop at the wall budget, a trainer that dies is not started again: the run is over
         supervise(cfg, live, children, trainer, stopping=stopped_by == "wall_budget")
         if stopped_by == "steps" and time.monotonic() - monitor.started > cfg.run.max_wall_s:
