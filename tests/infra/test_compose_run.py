@@ -4,6 +4,7 @@ service's environment from the file, on the session's broker and Redis in place 
 trainer steps with both rollout workers publishing, then the run's log audited."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -77,9 +78,12 @@ class Deployment:
         self.logs.mkdir()
         self.holds = Holds(root / "holds")
         self.metrics_port = free_port()
-        # where the containers find kafka-N, redis and the runs volume, here
+        # where the containers find kafka-N, redis and the runs volume, here; and how they log in to them
+        password = live.redis.password.get_secret_value() if live.redis.password else None
         self.local = {"MILESTREAM__BROKER__BOOTSTRAP_SERVERS": live.broker.bootstrap_servers,
+                      "MILESTREAM__BROKER__CLIENT": json.dumps(live.broker.client),
                       "MILESTREAM__REDIS__URL": live.redis.url,
+                      "MILESTREAM__REDIS__PASSWORD": json.dumps(password),
                       "MILESTREAM__RUN__RUN_DIR": str(root / "run")}
         self.prefix = f"compose{os.getpid()}."  # other tests share the session's broker and Redis
         self.procs: dict[str, subprocess.Popen] = {}

@@ -12,8 +12,14 @@ Every tool call runs ``python -I`` (this interpreter) in a sandbox of its own ma
   TMPDIR) with ``/tmp`` a link to it; the root and ``/dev`` are remounted read-only;
 - a ``/proc`` of its own PID namespace, so no other process's environment to read; its own
   environment is empty but PATH, HOME, TMPDIR and LANG;
-- limits set before its code runs: CPU seconds, address space (``RLIMIT_AS``), file size and
-  processes (``RLIMIT_NPROC``, threads included);
+- a whole-call cap: the call runs in a cgroup of its own (``call_cgroup.py``) whose memory cap
+  (``memory_mb``) covers every process of the call and the pages of its ``memfd`` files and tmpfs,
+  and whose task cap is ``max_processes`` (plus bubblewrap's two);
+- limits set before its code runs: CPU seconds, address space (``RLIMIT_AS``, per process), file size,
+  processes (``RLIMIT_NPROC``, threads included), open files (``max_open_files``) and no core dumps;
+  ``oom_score_adj`` 1000, so that a machine out of memory kills tool code before the worker or the
+  trainer (an unprivileged process cannot lower it again); a fresh, empty session keyring, so that tool
+  code does not possess the keys of the worker's;
 - an end: bubblewrap's init is PID 1 of the namespace, bubblewrap exits when the tool's process
   does (``--die-with-parent`` takes the init with it; a timeout kills bubblewrap) and the kernel kills
   whatever is left in the namespace with its init. A call returns only after that init is gone, so a
@@ -50,6 +56,14 @@ refusing socket calls from Python. Where ``unshare`` fails, subprocesses and nat
 network; everywhere, tool code can write outside its folder, read other processes' ``/proc`` and
 leave a detached child behind.
 
+Where no cgroup can cap a call (no cgroup file system with the memory and pids controllers that this
+process may write, as in a container without a writable one), entering a ``Sandbox`` raises
+``SandboxUnavailable`` too, unless ``allow_uncapped`` (``sandbox.allow_uncapped``): then the limits
+are per process only, with a warning in the log and ``sandbox_uncapped`` 1 in the worker's metrics. A
+call can then hold ``max_processes`` x ``memory_mb`` of address space, plus up to ``max_open_files`` x
+``max_file_mb`` per process in ``memfd`` files. The weak sandbox (``allow_weak``) caps the call where a
+cgroup can, else runs uncapped without asking.
+
 The output a tool leaves is kept in files limited by ``RLIMIT_FSIZE``, so a tool printing without
 end cannot fill the worker's memory. Nothing is kept: the folder is deleted when the episode ends.
 """
@@ -72,6 +86,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from milestream.producers.environments.call_cgroup import CallCgroup, CgroupParents, cgroup_parents
+
 log = logging.getLogger(__name__)
 
 TOOL_UID = 1000  # the tool's uid and gid inside the sandbox
@@ -80,25 +96,41 @@ INSIDE = "/sandbox"  # where the episode's folder appears in the sandbox (and /t
 # hang guards only: bubblewrap's own set-up and tear-down take milliseconds
 SETUP_GUARD_S = 60.0
 PROBE_TIMEOUT_S = 60.0
+MEGABYTE = 1024 * 1024
+SANDBOX_TASKS = 2  # bubblewrap and its init, besides the tool's own processes
+# the host side of a call, before it execs the sandbox: first in line for the OOM killer, then into the
+# call's cgroup (the leaves' cgroup.procs files are its arguments, up to "--"), so the call is born there
+_HOST_SIDE = ('echo 1000 > /proc/self/oom_score_adj || exit 125; '
+              'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"')
 
-# runs first in the child: its uid (as root: host nobody), folder and limits, no sockets from Python,
-# then the tool's code from stdin
+# runs first in the child: its uid (as root: host nobody), a session keyring of its own, folder and
+# limits, no sockets from Python, then the tool's code from stdin. keyctl has no libc wrapper: its system
+# call number per machine. EPERM (a seccomp filter, as Docker's) and ENOSYS (no keys in the kernel) leave
+# tool code without keyctl too
 _GUARD = """
-import os, resource, sys
-uid, cpu_s, memory, file_size, processes, folder = sys.argv[1:]
+import ctypes, errno, os, resource, sys
+uid, cpu_s, memory, file_size, processes, open_files, folder = sys.argv[1:]
 if uid:
     os.setresgid(int(uid), int(uid), int(uid))
     os.setresuid(int(uid), int(uid), int(uid))
+keyctl = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+if keyctl is None:
+    sys.exit("the sandbox cannot give tool code a session keyring of its own on " + os.uname().machine)
+libc = ctypes.CDLL(None, use_errno=True)  # keyctl 1: KEYCTL_JOIN_SESSION_KEYRING, a new anonymous one
+if libc.syscall(keyctl, 1, None) == -1 and ctypes.get_errno() not in (errno.EPERM, errno.ENOSYS):
+    sys.exit("the sandbox could not give tool code a session keyring of its own: "
+             + os.strerror(ctypes.get_errno()))
 os.chdir(folder)
 for limit, value in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, memory),
-                     (resource.RLIMIT_FSIZE, file_size), (resource.RLIMIT_NPROC, processes)):
+                     (resource.RLIMIT_FSIZE, file_size), (resource.RLIMIT_NPROC, processes),
+                     (resource.RLIMIT_NOFILE, open_files), (resource.RLIMIT_CORE, "0")):
     if int(value) >= 0:
         resource.setrlimit(limit, (int(value), int(value)))
 def _no_network(event, args):
     if event in ("socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto", "socket.sendmsg"):
         raise PermissionError("the sandbox has no network (" + event + ")")
 sys.addaudithook(_no_network)
-del _no_network, uid, cpu_s, memory, file_size, processes, folder, limit, value
+del _no_network, uid, cpu_s, memory, file_size, processes, open_files, folder, limit, value, keyctl, libc
 __code = sys.stdin.read()
 exec(compile(__code, "<tool>", "exec"), {"__name__": "__main__"})
 """
@@ -107,10 +139,11 @@ exec(compile(__code, "<tool>", "exec"), {"__name__": "__main__"})
 @dataclass(frozen=True)
 class SandboxLimits:
     timeout_s: float = 5.0
-    memory_mb: int = 512
+    memory_mb: int = 512  # the whole call's memory (its cgroup's cap), and each process's address space
     max_output_chars: int = 2000  # what a tool result gives back to the model
     max_file_mb: int = 16
     max_processes: int = 32  # processes and threads of one call (RLIMIT_NPROC in its user namespace)
+    max_open_files: int = 64  # per process (RLIMIT_NOFILE)
 
 
 @dataclass(frozen=True)
@@ -126,25 +159,30 @@ class ToolRun:
 
 
 class SandboxUnavailable(RuntimeError):
-    """Tool code would run without isolation, and ``sandbox.allow_weak`` does not allow that."""
+    """Tool code would run without isolation, or without a whole-call cap, and ``sandbox.allow_weak``
+    (``sandbox.allow_uncapped``) does not allow that."""
 
 
 _weak_used = threading.Event()
+_uncapped_used = threading.Event()
 
 
 def figures() -> dict[str, float]:
-    """The rollout worker's figures: ``sandbox_weak`` 1 once an episode in this process ran its tools
-    in the weak sandbox."""
-    return {"sandbox_weak": 1.0} if _weak_used.is_set() else {}
+    """The rollout worker's figures: ``sandbox_weak`` (``sandbox_uncapped``) 1 once an episode in this
+    process ran its tools in the weak sandbox (without a whole-call cap)."""
+    return {name: 1.0 for name, used in (("sandbox_weak", _weak_used), ("sandbox_uncapped", _uncapped_used))
+            if used.is_set()}
 
 
 class Sandbox:
     """One episode's sandbox; use as a context manager so its folder always goes away."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), bwrap: str = "bwrap", allow_weak: bool = False) -> None:
-        self.limits, self.bwrap, self.allow_weak = limits, bwrap, allow_weak
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), bwrap: str = "bwrap", allow_weak: bool = False,
+                 allow_uncapped: bool = False) -> None:
+        self.limits, self.bwrap, self.allow_weak, self.allow_uncapped = limits, bwrap, allow_weak, allow_uncapped
         self.folder: Path | None = None
         self.weak = False
+        self.cgroups: CgroupParents | None = None
 
     def __enter__(self) -> "Sandbox":
         problem = isolation_problem(self.bwrap)
@@ -159,10 +197,23 @@ class Sandbox:
         if self.weak:
             _warn_weak(problem)
             _weak_used.set()
+        self.cgroups = self._whole_call_cap()
         self.folder = Path(tempfile.mkdtemp(prefix="milestream-episode-"))
         if not self.weak and os.geteuid() == 0:
             os.chown(self.folder, NOBODY, NOBODY)
         return self
+
+    def _whole_call_cap(self) -> CgroupParents | None:
+        parents = cgroup_parents()
+        if isinstance(parents, CgroupParents):
+            return parents
+        if not (self.allow_uncapped or self.weak):
+            raise SandboxUnavailable(f"tools are not run: {parents}; run the rollout workers where they can make "
+                                     "cgroups (as root, or in a delegated cgroup subtree), or set "
+                                     "sandbox.allow_uncapped: true to limit each process of a call only")
+        _warn_uncapped(parents)
+        _uncapped_used.set()
+        return None
 
     def __exit__(self, *exc) -> None:
         if self.folder is not None:
@@ -172,11 +223,14 @@ class Sandbox:
     def run_python(self, code: str) -> ToolRun:
         if self.folder is None:
             raise RuntimeError("the sandbox is closed: run tools inside `with Sandbox(...)`")
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        cap = self.cgroups.call(self.limits.memory_mb * MEGABYTE, self.limits.max_processes + SANDBOX_TASKS) \
+            if self.cgroups is not None else contextlib.nullcontext()
+        with cap as cgroup, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             if self.weak:
-                exit_code, timed_out = _run_weak(self.folder, self.limits, code, out, err)
+                exit_code, timed_out = _run_weak(self.folder, self.limits, cgroup, code, out, err)
             else:
-                exit_code, timed_out = _run_isolated(shutil.which(self.bwrap), self.folder, self.limits, code, out, err)
+                exit_code, timed_out = _run_isolated(shutil.which(self.bwrap), self.folder, self.limits, cgroup, code,
+                                                     out, err)
             cut = self.limits.max_output_chars
             return ToolRun(_head(out, cut), _tail(err, cut), exit_code, timed_out)
 
@@ -193,7 +247,7 @@ def isolation_problem(bwrap: str = "bwrap") -> str | None:
         try:
             if os.geteuid() == 0:
                 os.chown(folder, NOBODY, NOBODY)
-            exit_code, _ = _run_isolated(path, Path(folder), SandboxLimits(timeout_s=PROBE_TIMEOUT_S),
+            exit_code, _ = _run_isolated(path, Path(folder), SandboxLimits(timeout_s=PROBE_TIMEOUT_S), None,
                                          "print('isolated')", out, err)
         except (OSError, RuntimeError) as exc:
             return f"bubblewrap ({path}) cannot isolate a tool call here: {exc}"
@@ -210,10 +264,16 @@ def _warn_weak(problem: str) -> None:
                 problem)
 
 
+@functools.cache
+def _warn_uncapped(problem: str) -> None:
+    log.warning("tool calls run WITHOUT a whole-call cap (sandbox.allow_uncapped): %s. Their memory and process "
+                "limits are per process: a call can hold max_processes x memory_mb, and more in memfd files", problem)
+
+
 # ---- the isolated call ------------------------------------------------------------------------------------
 
-def _run_isolated(bwrap: str | None, folder: Path, limits: SandboxLimits, code: str, out: IO[bytes],
-                  err: IO[bytes]) -> tuple[int, bool]:
+def _run_isolated(bwrap: str | None, folder: Path, limits: SandboxLimits, cgroup: CallCgroup | None, code: str,
+                  out: IO[bytes], err: IO[bytes]) -> tuple[int, bool]:
     """(exit code, timed out) of one call under bubblewrap; returns once the sandbox's init is gone."""
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap went missing")
@@ -222,7 +282,8 @@ def _run_isolated(bwrap: str | None, folder: Path, limits: SandboxLimits, code: 
         info_read, info_write = os.pipe()
         try:
             command = _bwrap_command(bwrap, folder, limits, userns, info_write)
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err, env={},
+            process = subprocess.Popen(_host_side(command, cgroup), stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                       env={},
                                        pass_fds=[info_write] + ([userns] if as_root else []),
                                        start_new_session=True, extra_groups=[] if as_root else None)
         except BaseException:
@@ -339,13 +400,14 @@ def _init_pidfd(info_read: int, process: subprocess.Popen) -> int | None:
 
 # ---- the weak call and both ----------------------------------------------------------------------------
 
-def _run_weak(folder: Path, limits: SandboxLimits, code: str, out: IO[bytes], err: IO[bytes]) -> tuple[int, bool]:
+def _run_weak(folder: Path, limits: SandboxLimits, cgroup: CallCgroup | None, code: str, out: IO[bytes],
+              err: IO[bytes]) -> tuple[int, bool]:
     command = [sys.executable, "-I", "-c", _GUARD, *_guard_args(limits, "", -1, str(folder))]
     if network_namespace_available():
         command = ["unshare", "-rn", *command]
     env = {"PATH": os.defpath, "HOME": str(folder), "TMPDIR": str(folder), "LANG": "C.UTF-8"}
-    process = subprocess.Popen(command, cwd=folder, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
-                               start_new_session=True)
+    process = subprocess.Popen(_host_side(command, cgroup), cwd=folder, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                               env=env, start_new_session=True)
     timed_out = _communicate(process, code, limits.timeout_s)
     return process.returncode, timed_out
 
@@ -362,10 +424,13 @@ def network_namespace_available() -> bool:
 
 
 def _guard_args(limits: SandboxLimits, uid: str, processes: int, folder: str) -> list[str]:
-    megabyte = 1024 * 1024
     cpu_s = max(1, int(limits.timeout_s) + 1)
-    return [uid, str(cpu_s), str(limits.memory_mb * megabyte), str(limits.max_file_mb * megabyte), str(processes),
-            folder]
+    return [uid, str(cpu_s), str(limits.memory_mb * MEGABYTE), str(limits.max_file_mb * MEGABYTE), str(processes),
+            str(limits.max_open_files), folder]
+
+
+def _host_side(command: list[str], cgroup: CallCgroup | None) -> list[str]:
+    return ["/bin/sh", "-c", _HOST_SIDE, "sh", *(cgroup.procs_files() if cgroup is not None else []), "--", *command]
 
 
 def _communicate(process: subprocess.Popen, code: str, timeout_s: float) -> bool:

@@ -63,12 +63,12 @@ _FENCE = re.compile(r"```(?:python|py)?\n?(.*?)```", re.DOTALL)
 
 def sandbox(cfg: SandboxConfig) -> Sandbox:
     """An episode's sandbox; entering it raises ``SandboxUnavailable`` where tools cannot be isolated and
-    ``sandbox.allow_weak`` is off: the sample fails (a deployment fault, not the policy's), so the worker
-    publishes the group as an error and stops after ``rollout.max_errors`` of them, naming the reason,
-    rather than train on episodes whose tools always fail."""
+    ``sandbox.allow_weak`` is off, or calls cannot be capped and ``sandbox.allow_uncapped`` is off: the sample
+    fails (a deployment fault, not the policy's), so the worker publishes the group as an error and stops after
+    ``rollout.max_errors`` of them, naming the reason, rather than train on episodes whose tools always fail."""
     limits = SandboxLimits(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, max_output_chars=cfg.max_output_chars,
                            max_processes=cfg.max_processes)
-    return Sandbox(limits, bwrap=cfg.bwrap, allow_weak=cfg.allow_weak)
+    return Sandbox(limits, bwrap=cfg.bwrap, allow_weak=cfg.allow_weak, allow_uncapped=cfg.allow_uncapped)
 
 
 async def python_tool_agent(chat: ChatFn, prompt: Prompt, ctx: RolloutContext) -> Episode:
