@@ -29,6 +29,7 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -186,24 +187,37 @@ def start_fleet(logs: Path, args: argparse.Namespace) -> tuple[list[subprocess.P
     return processes, urls
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sessions", type=int, default=50)
-    parser.add_argument("--turns", type=int, default=3)
+def fleet_args(doc: str, count_flag: str, count: int, turns: int, timeout_s: float) -> argparse.Namespace:
+    """The command line of a load on the fleet: how many sessions (``count_flag``), turns, engines, timeout."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument(count_flag, dest="sessions", type=int, default=count)
+    parser.add_argument("--turns", type=int, default=turns)
     parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="router.request_timeout_s; clients wait 10 s more")
-    args = parser.parse_args()
-    raise_open_files_limit()  # this client holds a connection per session too
+    parser.add_argument("--timeout-s", type=float, default=timeout_s, help="router.request_timeout_s; clients wait 10 s more")
+    return parser.parse_args()
+
+
+def on_fleet(args: argparse.Namespace, load: Callable[[dict, list[subprocess.Popen], int], Awaitable[dict]]) -> dict:
+    """``load(urls, processes, stop id)`` on a fleet started for it and stopped after."""
+    raise_open_files_limit()  # the client holds a connection per session too
     stop_id = chat_template(load_tokenizer(ModelConfig(name="tiny-random"))).end_of_turn_id
     with tempfile.TemporaryDirectory(prefix="sessions-load-") as logs:
         processes, urls = start_fleet(Path(logs), args)
         try:
-            pids = {"engines": [p.pid for p in processes[:args.engines]], "router": processes[-2].pid,
-                    "sessions": processes[-1].pid}
-            result = asyncio.run(load(urls, pids, args, stop_id))
+            return asyncio.run(load(urls, processes, stop_id))
         finally:
             for process in reversed(processes):
                 stop(process)
+
+
+def main() -> None:
+    args = fleet_args(__doc__, "--sessions", 50, 3, 120.0)
+
+    def pids(processes: list[subprocess.Popen]) -> dict:
+        return {"engines": [p.pid for p in processes[:args.engines]], "router": processes[-2].pid,
+                "sessions": processes[-1].pid}
+
+    result = on_fleet(args, lambda urls, processes, stop_id: load(urls, pids(processes), args, stop_id))
     via, straight = result["via"], result["straight"]
     print(json.dumps({
         "sessions": args.sessions, "turns": args.turns, "engines": args.engines, **via,

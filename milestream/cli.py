@@ -121,6 +121,11 @@ def _process(cfg: Config, args: argparse.Namespace) -> int:
 def _train(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.train.backends import launch
 
+    if args.shadow:
+        if (cfg.run_path / "archive").exists():
+            raise ConfigError(f"train --shadow: {cfg.run_path} holds a run's log; give the shadow a --run-dir of "
+                              "its own")
+        cfg = cfg.with_overrides(trainer={"shadow": True})
     # local: in this process; fsdp2 / megatron: trainer.ranks processes under torchrun, which passes
     # a SIGTERM on to them (raised here as SystemExit, so launch stops torchrun instead of orphaning it)
     if cfg.trainer.backend != "local":
@@ -243,6 +248,12 @@ def _engine(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_vllm(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.engines.vllm import serve_vllm
+
+    serve_vllm(cfg, host=args.host, port=args.port)
+
+
 def _router(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.engines.router import serve_router, sglang_router_args
 
@@ -349,6 +360,36 @@ def _replay(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _fork(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.observe.fork import fork_run
+
+    if args.config or not args.run_dir:
+        raise ConfigError("fork: the fork's knobs are the original's (FROM/config.yaml) with --set; give --run-dir NEW")
+    saved = run_folder(args.origin) / "config.yaml"
+    original = load_config(saved)
+    fork = load_config(saved, [*args.overrides, f"run.run_dir={args.run_dir}"])
+    print(f"summary: {fork_run(original, fork, args.origin, args.step, args.steps)}")
+    return 0
+
+
+def _export_rollouts(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.observe.rollouts_export import export_rollouts
+    from milestream.observe.selection import parse_span
+
+    steps = parse_span(args.steps, "--steps") if args.steps else None
+    exported = export_rollouts(finished_run(cfg, args), args.out, steps, args.min_reward)
+    print(f"wrote {exported.samples} samples of {exported.groups} groups to {exported.path}")
+    return 0
+
+
+def _compare(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.observe.compare import compare_runs
+
+    png, table = compare_runs([run_folder(run) for run in args.runs], args.out)
+    print(table + f"wrote {png} and {png.with_suffix('.md')}")
+    return 0
+
+
 COMMANDS = {
     "run": (_run, "start broker, Redis, processor, rollout and trainer; train; write summary.json"),
     "rollout": (_rollout, "run a rollout worker (engine + async sampling)"),
@@ -369,6 +410,8 @@ COMMANDS = {
     "eval": (_eval, "evaluate each due weight version on held-out prompts (eval.mode dedicated or external) "
                     "onto eval.results"),
     "engine": (_engine, "serve the CPU engine over SGLang's HTTP API (/generate, pause, update weights)"),
+    "serve-vllm": (_serve_vllm, "serve the policy on vLLM's CPU build (rollout.engine vllm; `milestream run` starts "
+                                "one per rollout worker): vLLM's OpenAI server with its RL routes"),
     "router": (_router, "route each session's requests to one engine (router.engines; X-SMG-Routing-Key)"),
     "topics": (_topics, "list the topics of the run's broker (of a finished run: its archive's, with their message "
                         "counts), or create them"),
@@ -381,6 +424,12 @@ COMMANDS = {
     "mismatch": (_mismatch, "recompute the trainer's log-probs of chosen logged samples at the versions that "
                             "generated them and compare with the rollout's, token by token: table, top-k KL, plot, "
                             "the first token where they disagree (see observe/mismatch.py)"),
+    "fork": (_fork, "a new run (--run-dir) whose trainer starts from the state of run --from at --step N and trains "
+                    "on its logged groups, in its order, under the knobs --set changes; nothing is generated"),
+    "export-rollouts": (_export_rollouts, "write the logged trajectories of --run-dir (text, token ids, reward, "
+                                          "log-probs, versions, group, step trained) as Parquet into --out"),
+    "compare": (_compare, "plot runs' step figures (reward, held-out score, loss, KL, clip fraction) side by side "
+                          "into one PNG and a table; a fork compares as any run"),
     "sessions": (_sessions, "serve token-in-token-out chat sessions over HTTP (sessions.host:port)"),
 }
 
@@ -434,11 +483,19 @@ def build_parser() -> argparse.ArgumentParser:
         _common(command, name)
         if name == "rollout":
             command.add_argument("--worker-id", default="worker-0")
+        if name == "train":
+            command.add_argument("--shadow", action="store_true", help="beside a live run (--config its config.yaml): "
+                                 "train on its groups as they arrive under the --set knobs, into --run-dir, publishing "
+                                 "no weights and touching none of its buffer's credit")
         if name == "engine":
             command.add_argument("--host", default="127.0.0.1")
             command.add_argument("--port", type=int, default=30001, help="0: a free port (printed when ready)")
             command.add_argument("--engine-id", default="engine-0", help="with --engines N: ENGINE_ID-0 ... -N-1")
             command.add_argument("--engines", type=int, default=1, help="engine processes (each started fresh)")
+        if name == "serve-vllm":
+            command.add_argument("--host", default="127.0.0.1", help="vLLM's control routes take no token: keep it "
+                                 "on loopback")
+            command.add_argument("--port", type=int, default=8000)
         if name == "router":
             command.add_argument("--sglang", action="store_true",
                                  help="run sglang-router 0.3.2 (manual policy, min_load) on router.* instead")
@@ -476,6 +533,17 @@ def build_parser() -> argparse.ArgumentParser:
             _replay_arguments(command)
         if name == "mismatch":
             _mismatch_arguments(command)
+        if name == "export-rollouts":
+            command.add_argument("--out", required=True, help="the folder to write (new, or empty)")
+            command.add_argument("--steps", help="A:B or N: the groups these trainer steps trained")
+            command.add_argument("--min-reward", type=float, help="the samples whose reward is at least this")
+        if name == "compare":
+            command.add_argument("runs", nargs="+", metavar="RUN_DIR", help="the runs' folders (each with its archive)")
+            command.add_argument("--out", default="compare", help="the folder for compare.png and compare.md")
+        if name == "fork":
+            command.add_argument("--from", dest="origin", required=True, metavar="RUN_DIR", help="the run to fork")
+            command.add_argument("--step", type=int, required=True, help="fork after this step of it (0: its start)")
+            command.add_argument("--steps", type=int, help="steps of the fork (default: the original's remaining)")
     return parser
 
 

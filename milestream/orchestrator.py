@@ -35,7 +35,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from milestream.config import Config, UserError
+from milestream.config import Config, UserError, knob_values
+from milestream.engines.vllm import check_vllm
 from milestream.evaluate.evaluation import finish_evaluation
 from milestream.infra.kafka import Admin, RecordProducer
 from milestream.infra.secret_env import run_credentials, stage_environment
@@ -111,6 +112,17 @@ def page_port(cfg: Config) -> int:
     return port
 
 
+def rollout_stages(cfg: Config, index: int) -> list[tuple[str, list[str]]]:
+    """Rollout worker ``index``; under rollout.engine vllm without rollout.engine_url, first the vLLM server it
+    generates on, a stage of its own (``vllm-N``) on a port chosen here, which a restart keeps."""
+    worker = ["rollout", "--worker-id", f"worker-{index}"]
+    if cfg.rollout.engine != "vllm" or cfg.rollout.engine_url:
+        return [(f"rollout-{index}", worker)]
+    port = free_port()
+    return [(f"vllm-{index}", ["serve-vllm", "--port", str(port)]),
+            (f"rollout-{index}", [*worker, "--set", f"rollout.engine_url=http://127.0.0.1:{port}"])]
+
+
 def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
     prepare(cfg)
     Admin(cfg.broker).create_topics()
@@ -124,8 +136,8 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
 
     children = [child("archiver", ["archive"])] if cfg.run.archive else []
     children += [child("loader", ["load-prompts", "--follow"]), child("processor", ["process"])]
-    children += [child(f"rollout-{i}", ["rollout", "--worker-id", f"worker-{i}"])
-                 for i in range(cfg.rollout.num_workers)]
+    children += [child(name, command) for i in range(cfg.rollout.num_workers)
+                 for name, command in rollout_stages(cfg, i)]
     if cfg.distill.enabled:  # on-policy distillation: the teacher scores every trajectory
         children.append(child("teacher", ["teacher"]))
     if cfg.run.prometheus_port is not None:
@@ -246,10 +258,22 @@ def print_evaluations(results: list[EvalResult], printed: set[tuple[str, int, fl
 
 
 def stop_stages(children: list[Child], trainer: Child, keep: tuple[str, ...] = ()) -> None:
-    """Every stage but those named in ``keep``, the trainer first (given the time to finish its step)."""
-    for child in reversed(children):
-        if child.name not in keep:
-            child.stop(grace=120.0 if child is trainer else 20.0)
+    """Every stage but those named in ``keep``: all told at once, so stopping takes the longest grace rather than
+    their sum (the trainer is given the time to finish its step); the archiver last, keeping what the others
+    wrote while they stopped."""
+    stopping = [child for child in children if child.name not in keep]
+    for wave in ([c for c in stopping if c.name != "archiver"], [c for c in stopping if c.name == "archiver"]):
+        for child in wave:
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        told = time.monotonic()
+        for child in wave:
+            grace = (120.0 if child is trainer else 20.0) - (time.monotonic() - told)
+            try:
+                child.proc.wait(max(grace, 0.0))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
 
 
 def evaluate_run_end(cfg: Config, printed_evals: set[tuple[str, int, float]]) -> list[EvalResult]:
@@ -304,20 +328,14 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "weights.sender_host",
     "eval.every_versions", "eval.timeout_s", "eval.keep_exports",
     "distill.teacher_url", "distill.timeout_s", "distill.batch_samples",
-    "observe", "router", "sessions",
+    "observe", "router", "sessions", "vllm",
 )
-
-
-def _knobs(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """``section.knob`` -> value (a dict or list whole) of a configuration as config.yaml holds it."""
-    return {f"{section}.{knob}": value for section, knobs in tree.items() if isinstance(knobs, Mapping)
-            for knob, value in knobs.items()}
 
 
 def resume_conflicts(saved: Mapping[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     """The knobs outside RESUME_MAY_CHANGE whose value in ``saved`` (a run folder's config.yaml) differs from
     ``cfg``'s: name -> (saved, given). A knob only one of them knows (another milestream version) is no conflict."""
-    before, now = _knobs(saved), _knobs(cfg.model_dump(mode="json"))
+    before, now = knob_values(saved), knob_values(cfg.model_dump(mode="json"))
     may_change = {name for name in before.keys() & now.keys()
                   if name in RESUME_MAY_CHANGE or name.split(".")[0] in RESUME_MAY_CHANGE}
     return {name: (before[name], now[name]) for name in sorted(before.keys() & now.keys() - may_change)
@@ -352,6 +370,8 @@ def run_loop(cfg: Config) -> dict:
     check_inputs(cfg)  # bad data or a bad reward fails here, before any stage (or the broker) starts
     check_writers(cfg)
     check_teacher(cfg)
+    if cfg.rollout.engine == "vllm":
+        check_vllm(cfg)
     started = time.monotonic()
     run_dir = cfg.run_path
     log_dir = run_dir / "logs"

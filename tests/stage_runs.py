@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from milestream.infra.kafka import RecordConsumer
+from milestream.infra.kafka import Admin, RecordConsumer, end_offset
 from milestream.orchestrator import run_loop
 from milestream.producers.worker import RolloutWorker
 
@@ -79,3 +79,16 @@ def start_run(cfg) -> tuple[threading.Thread, dict]:
 def print_logs_unless_done(run_dir: Path, outcome: dict) -> None:
     if "summary" not in outcome:
         print_log_tails(run_dir / "logs")
+
+
+def end_offsets(cfg, specs) -> dict[str, list[int]]:
+    """The broker's end offset of every partition of each of ``specs`` of the run: what a stage wrote, if anything."""
+    ends = {}
+    for spec in specs:
+        partitions = Admin(cfg.broker).partitions(spec)
+        consumer = RecordConsumer(cfg.broker, spec, f"{cfg.broker.topic_prefix}end-offsets").assign(partitions=partitions)
+        try:
+            ends[spec.name] = [end_offset(consumer, p) for p in partitions]
+        finally:
+            consumer.close()
+    return ends

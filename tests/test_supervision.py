@@ -15,12 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from milestream.config import load_config
 from milestream.infra.redis_client import redis_client
 from milestream_testkit.chaos import broker_pids, redis_pids, sigkill, stage_pids
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 from holds import Holds
 from milestream.train import checkpoint
+from milestream.log.archive import ArchiveState
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import read_archive
 from milestream.infra.kafka import RecordConsumer
@@ -175,4 +178,57 @@ def test_redis_killed_mid_run_comes_back_with_the_ledger_rebuilt_from_the_log(cf
     audit = audit_run(run_dir)
     print(audit)
     assert audit.exact and audit.steps == cfg.trainer.steps
+    assert audit.groups_trained == cfg.trainer.steps * cfg.trainer.batch_groups
+
+
+@pytest.mark.timeout(1500)  # two lives of every stage, the held archiver's stop grace
+def test_broker_crash_with_the_archive_behind_the_trainers_checkpoint_rolls_the_trainer_back(cfg, tmp_path,
+                                                                                            monkeypatch):
+    """The window of issue 27: the archiver held (as a slow or restarting one would be) while the trainer
+    checkpoints groups it never archived, then the broker SIGKILLed. The archive is the log that survives;
+    the trainer goes back to its newest checkpoint the archive covers, redoes the steps after it, and the
+    run's audit is exact (no group trained on a lost timeline, none trained twice or also dropped)."""
+    cfg = cfg.with_overrides(broker={"bootstrap_servers": None},  # its own embedded broker, to crash
+                             trainer={"steps": 10, "checkpoint_every": 1, "keep_checkpoints": 10},
+                             run={"max_wall_s": 900, "max_restarts": 5})
+    run_dir = Path(cfg.run.run_dir)
+
+    def archived_groups() -> dict[int, int]:
+        return ArchiveState.load(run_dir).offsets.get(topics.GROUPS.name, {})
+
+    def latest_past(ends: dict[int, int]) -> bool:
+        latest = checkpoint.latest_step(run_dir)
+        offsets = checkpoint.saved_offsets(checkpoint.saved(run_dir)[latest]) if latest else {}
+        return any(o > ends.get(p, 0) for p, o in offsets.items())
+
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("trainer.collected", at_pass=3)
+    runner, outcome = start_run(cfg)
+    try:
+        trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer held at step 3"))
+        wait_for(lambda: not latest_past(archived_groups()), 120, "the archive to cover checkpoint 2", runner)
+        covered = checkpoint.latest_step(run_dir)
+        holds.arm("archiver.flushing")
+        holds.wait_held("archiver.flushing", 120, running(runner, "the archiver held"))
+        ends = archived_groups()  # what the archive will hold when the broker goes
+        while not latest_past(ends):  # step on until a checkpoint holds groups the archive never got
+            assert checkpoint.latest_step(run_dir) < cfg.trainer.steps - 1, "no checkpoint got past the archive"
+            holds.arm("trainer.collected")
+            holds.release("trainer.collected", trainer)
+            trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer's next step"))
+        lost = checkpoint.latest_step(run_dir)
+        sigkill(broker_pids(load_config(run_dir / "config.yaml"))[0])
+        holds.release("trainer.collected", trainer)  # the archiver stays held: its rows go with the broker
+        runner.join(600)
+    finally:
+        print_logs_unless_done(run_dir, outcome)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["summary"]["steps"] == cfg.trainer.steps
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text().split("==== life")[-1]
+    resumed_at = int(trainer_log.split("resumed at step ")[1].split()[0])
+    assert covered <= resumed_at < lost, (covered, resumed_at, lost)
+
+    audit = audit_run(run_dir)
+    print(audit)
+    assert audit.exact and audit.steps == cfg.trainer.steps and not audit.missing_steps
     assert audit.groups_trained == cfg.trainer.steps * cfg.trainer.batch_groups

@@ -18,6 +18,8 @@ A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known po
   trainer.collected           the trainer, with its batch taken, before the step
   trainer.published           the trainer, the step's weights and metrics sent, before its checkpoint
   trainer.checkpoint_written  the checkpoint written to its temporary folder, not yet the latest
+  archiver.flushing           the archiver, rows read and due to be written, before their segment (what a
+                              broker lost while it holds is lost to the archive too)
   tracker.committing          an experiment tracker that wrote points, made them durable in its store, before
                               it saves its position
 

@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from milestream.config import Config, RunFolderError, run_folder
+from milestream.infra import faults
 from milestream.infra.kafka import LogAdmin, RawConsumer, RawMessage, topic_name
 from milestream.schemas import topics
 from milestream.schemas.codec import SCHEMA_HEADER
@@ -163,12 +164,22 @@ def recover(run_dir: str | Path, state: ArchiveState) -> ArchiveState:
     return state
 
 
-def _row(msg: RawMessage) -> dict[str, Any]:
+def archive_row(msg: RawMessage) -> dict[str, Any]:
     schema_id = next((v.decode(errors="replace") for k, v in msg.headers or () if k == SCHEMA_HEADER and v), None)
     return {"topic": msg.topic, "partition": msg.partition, "offset": msg.offset, "timestamp_ms": msg.timestamp_ms,
             "timestamp_type": msg.timestamp_type, "key": msg.key, "schema_id": schema_id,
             "headers": None if msg.headers is None else [{"key": k, "value": v} for k, v in msg.headers],
             "value": msg.value}
+
+
+def write_segment(root: Path, topic: str, number: int, rows: list[dict[str, Any]]) -> None:
+    """One segment of ``archive_row`` rows under ``root`` (an archive folder), written atomically; the caller
+    records it in the state after."""
+    folder = root / topic
+    folder.mkdir(exist_ok=True)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), sink, compression="zstd")
+    write_atomically(folder / f"{number:012d}{SEGMENT_SUFFIX}", sink.getvalue().to_pybytes())
 
 
 class Archiver:
@@ -221,7 +232,7 @@ class Archiver:
                 continue  # already archived (a re-fetch after a reconnect)
             if msg.offset > expected and expected > 0:
                 log.warning("archive: %s[%d] jumps from offset %d to %d", name, msg.partition, expected, msg.offset)
-            self.buffers.setdefault(name, []).append(_row(msg))
+            self.buffers.setdefault(name, []).append(archive_row(msg))
             self.state.offsets.setdefault(name, {})[msg.partition] = msg.offset + 1
             self.buffered_bytes += len(msg.value or b"") + len(msg.key or b"")
             self.oldest = self.oldest or time.monotonic()
@@ -240,11 +251,7 @@ class Archiver:
             if not rows:
                 continue
             number = self.state.segments.get(name, 0)
-            folder = self.root / name
-            folder.mkdir(exist_ok=True)
-            sink = pa.BufferOutputStream()
-            pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), sink, compression="zstd")
-            write_atomically(folder / f"{number:012d}{SEGMENT_SUFFIX}", sink.getvalue().to_pybytes())
+            write_segment(self.root, name, number, rows)
             self.state.segments[name] = number + 1
             written += len(rows)
         self.buffers, self.buffered_bytes, self.oldest = {}, 0, None
@@ -282,6 +289,7 @@ class Archiver:
         while not stop.is_set():
             self.poll(0.2)
             if self.due():
+                faults.hold("archiver.flushing")
                 self.flush()
         deadline = time.monotonic() + max_drain_s
         while time.monotonic() < deadline and self.poll(self.idle_s) > 0:

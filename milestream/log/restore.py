@@ -20,9 +20,10 @@ offsets and its settled groups in Redis; rollout re-admits the prompts above its
 offset (a group half-published by a killed worker is generated again under the same ids, and the
 processor de-duplicates its samples); the prompt feeder continues from its position in Redis. After a
 planned restart (stages stopped, archiver drained, then the broker restarted) no record and no group
-is lost. After a broker crash the records in the archive's unflushed tail (see ``archive``) are lost;
-``reconcile`` refuses to resume when the trainer's checkpoint is past the archived buffer.groups,
-rather than let the trainer skip new groups. Republish into an empty broker only: one that already
+is lost. After a broker crash the records in the archive's unflushed tail (see ``archive``) are lost; a
+trainer checkpoint past the archived buffer.groups is rolled back to the newest one the archive covers
+(``trainer_within_archive``), and ``reconcile`` refuses to resume when there is none, rather than let
+the trainer skip new groups. Republish into an empty broker only: one that already
 holds records fails the offset check (restart it again and re-run).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from milestream.config import Config
 from milestream.infra.kafka import LogAdmin, RecordProducer, commit_offsets, produce_raw
 from milestream.log import accounting
 from milestream.log.accounting import Accounting, LoggedRun, derive_accounting, rebuild_ledger, trainer_position
+from milestream.log.lineage import TrainerPosition
 from milestream.log.archive import ArchiveState, archived_raw, load_manifest, segment_paths
 from milestream.log.reader import ArchiveSource, SkipBadRecords
 from milestream.schemas import topics
@@ -148,17 +150,38 @@ def restore_group_offsets(cfg: Config, state: ArchiveState, ends: dict[str, dict
     return restored
 
 
+def trainer_within_archive(run_dir: str | Path, ends: dict[int, int]) -> TrainerPosition:
+    """The trainer's newest checkpoint whose buffer.groups offsets the archive holds, made the latest.
+
+    A broker crash loses the archive's unflushed tail (more while the archiver was down). A checkpoint past
+    that tail trained groups the log no longer has: resumed, the trainer would skip the new groups written at
+    those offsets, and the run's lineage would miss the steps it took. So the trainer goes back to the newest
+    checkpoint the archive covers and redoes the steps after it, as after its own kill between checkpoints;
+    the newer checkpoints are deleted. Refused when no checkpoint is covered (a fresh start would redo the run)."""
+    from milestream.train import checkpoint  # torch: only a resume needs it
+
+    folders, latest = checkpoint.saved(run_dir), checkpoint.latest_step(run_dir)
+
+    def past(step: int) -> dict[int, tuple[int, int]]:
+        return {p: (o, ends.get(p, 0)) for p, o in checkpoint.saved_offsets(folders[step]).items() if o > ends.get(p, 0)}
+
+    covered = [step for step in folders if step <= latest and not past(step)]
+    if latest and not covered:  # the trainer would skip the first new groups at those offsets: refuse, loudly
+        raise ReplayError(f"every checkpoint of the trainer is past the archived buffer.groups (partition: "
+                          f"(checkpoint, archive end)) {past(latest)}: the broker was lost before the archive caught up")
+    if latest and covered[-1] != latest:
+        deleted = checkpoint.roll_back(run_dir, covered[-1])
+        log.warning("the trainer's checkpoints of steps %s are past the archived buffer.groups (lost with the broker): "
+                    "it resumes from step %d and redoes the steps after it", deleted, covered[-1])
+    return trainer_position(run_dir)
+
+
 def reconcile(cfg: Config, run_dir: str | Path, report: Republished, rollout_group: str | None = None,
               fresh_ledger: bool = False) -> Accounting:
     """Write the counters derived from the archive (log/accounting.py) to Redis; call with every stage
     stopped, after ``republish``. ``fresh_ledger``: Redis was lost too (or started empty), so every key
     of the ledger is written, not only those a surviving Redis gets wrong."""
-    trainer = trainer_position(run_dir)
-    ends = report.ends.get(topics.GROUPS.name, {})
-    past = {p: (o, ends.get(p, 0)) for p, o in trainer.offsets.items() if o > ends.get(p, 0)}
-    if past:  # the trainer would skip the first new groups at those offsets: refuse, loudly
-        raise ReplayError(f"the trainer's checkpoint is past the archived buffer.groups (partition: (checkpoint, "
-                          f"archive end)) {past}: the broker was lost before the archive caught up")
+    trainer = trainer_within_archive(run_dir, report.ends.get(topics.GROUPS.name, {}))
     restored = report.groups
     rollout_offsets = restored.get(rollout_group or accounting.rollout_group(cfg), {}).get(topics.PROMPTS.name, {})
     run = LoggedRun.read(ArchiveSource(run_dir, SkipBadRecords()), trainer)

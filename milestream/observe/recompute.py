@@ -77,6 +77,21 @@ def replay_steps(cfg: Config, run_dir: str | Path, steps: dict[int, Metrics], fe
     if absent:
         raise StepReplayError(f"steps {absent} are not on the log of {run_dir} (steps {min(steps, default=0)}"
                               f"..{max(steps, default=0)})")
+    at, learner = checkpoint_learner(cfg, run_dir, steps, first)
+    records: list[Metrics] = [steps[s] for s in range(at + 1, last + 1)]
+    groups = fetch_groups({g for r in records for g in r.group_ids})
+    replayed = []
+    for record in records:
+        figures = train_logged(learner, record, groups)
+        if record.step >= first:
+            replayed.append(StepReplay(record.step, at, {k: record.values[k] for k in COMPARED},
+                                       {k: figures[k] for k in COMPARED}))
+    return replayed
+
+
+def checkpoint_learner(cfg: Config, run_dir: Path, steps: dict[int, Metrics], first: int) -> tuple[int, Learner]:
+    """A local learner in the state of the newest checkpoint before step ``first`` (the RNG as it was saved), and
+    that checkpoint's step; StepReplayError unless the lineage ``steps`` holds every step from it to ``first``."""
     at, payload = checkpoint_before(run_dir, first)
     missing = [s for s in range(at + 1, first) if s not in steps]
     if missing:
@@ -86,16 +101,13 @@ def replay_steps(cfg: Config, run_dir: str | Path, steps: dict[int, Metrics], fe
     if payload:
         learner.load_state_dict(payload["backend"])
         checkpoint.restore(payload)
-    records: list[Metrics] = [steps[s] for s in range(at + 1, last + 1)]
-    groups = fetch_groups({g for r in records for g in r.group_ids})
-    replayed = []
-    for record in records:
-        absent_groups = [g for g in record.group_ids if g not in groups]
-        if absent_groups:
-            raise StepReplayError(f"step {record.step}: groups {absent_groups[:3]} are not on the logged buffer.groups")
-        lags = record.group_staleness or [0] * len(record.group_ids)
-        figures = learner.train_step([CollectedGroup(g, groups[g], lag) for g, lag in zip(record.group_ids, lags)])
-        if record.step >= first:
-            replayed.append(StepReplay(record.step, at, {k: record.values[k] for k in COMPARED},
-                                       {k: figures[k] for k in COMPARED}))
-    return replayed
+    return at, learner
+
+
+def train_logged(learner: Learner, record: Metrics, groups: dict[str, list[GroupSample]]) -> dict[str, float]:
+    """One logged step again: the groups its record names, in its order, at its logged staleness."""
+    absent_groups = [g for g in record.group_ids if g not in groups]
+    if absent_groups:
+        raise StepReplayError(f"step {record.step}: groups {absent_groups[:3]} are not on the logged buffer.groups")
+    lags = record.group_staleness or [0] * len(record.group_ids)
+    return learner.train_step([CollectedGroup(g, groups[g], lag) for g, lag in zip(record.group_ids, lags)])

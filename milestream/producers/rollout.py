@@ -7,9 +7,11 @@
 - **generate function** ``(ctx, prompt, request_id) -> Sample``: owns generation and token
   recording for one sample. Default ``single_turn`` (one engine call on the task prompt);
   ``agent_episode`` runs the agent function over a token-in-token-out session.
-- **agent function** ``(chat, prompt) -> Episode``: owns the episode loop of a multi-turn
+- **agent function** ``(chat, prompt, ctx) -> Episode``: owns the episode loop of a multi-turn
   environment: it talks to the policy through ``chat`` and to its tools however it likes
-  (environments/tool_use.py runs them in a per-episode sandbox).
+  (environments/tool_use.py runs them in a per-episode sandbox). With the generate function
+  ``agents:openai_episode`` it is instead any agent written for the ``openai`` package:
+  ``(base_url, api_key, prompt) -> result`` (producers/agents.py).
 
 The worker keeps admission (credit, prompts, slots); a rollout function asks for generations
 through ``ctx.generate``, which holds a slot of ``rollout.max_inflight_samples`` while it runs.
@@ -25,7 +27,7 @@ from milestream.config import Config, import_path
 from milestream.engines.engine import Engine, FinishReason, GenerateRequest, SamplingParams
 from milestream.engines.moe_routing import RecordedRouting
 from milestream.producers.sessions.templates import chat_template
-from milestream.producers.sessions.tito import TokenSession
+from milestream.producers.sessions.tito import SessionSample, TokenSession
 from milestream.producers.data import prompt_messages, reward_inputs
 from milestream.producers.rewards import Reward, RewardModel, RewardSample, load_reward
 from milestream.producers.tasks import chat_input_ids
@@ -141,8 +143,8 @@ def load_layers(cfg: Config) -> Layers:
     rollout = cfg.rollout
     agent = import_path(rollout.agent_fn, "rollout.agent_fn") if rollout.agent_fn else None
     generate = import_path(rollout.generate_fn, "rollout.generate_fn")
-    if generate is agent_episode and agent is None:
-        raise ValueError("rollout.generate_fn agent_episode needs rollout.agent_fn (the episode loop)")
+    if generate in _RUNS_AGENT_FN and agent is None:
+        raise ValueError(f"rollout.generate_fn {rollout.generate_fn} needs rollout.agent_fn (the episode loop)")
     return Layers(import_path(rollout.rollout_fn, "rollout.rollout_fn"), generate, agent)
 
 
@@ -173,6 +175,15 @@ async def _indexed(index: int, sample: Awaitable[Sample]) -> tuple[int, Sample]:
 
 # ---- generate functions ----------------------------------------------------------------------------
 
+_RUNS_AGENT_FN: set[GenerateFn] = set()
+
+
+def runs_agent_fn(generate: GenerateFn) -> GenerateFn:
+    """Marks a generate function that runs ``rollout.agent_fn``: ``load_layers`` requires one with it."""
+    _RUNS_AGENT_FN.add(generate)
+    return generate
+
+
 async def single_turn(ctx: RolloutContext, prompt: Prompt, request_id: str,
                       sampling: SamplingParams | None = None) -> Sample:
     """The prompt's chat messages (system prompt first), the pre-filled assistant turn, and one completion
@@ -187,6 +198,7 @@ async def single_turn(ctx: RolloutContext, prompt: Prompt, request_id: str,
                   topk_logprobs=[list(values) for values in result.topk_logprobs] or None)
 
 
+@runs_agent_fn
 async def agent_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) -> Sample:
     """The agent function's episode over a token-in-token-out session: one sample, exact tokens."""
     session = TokenSession(chat_template(ctx.tokenizer), match=ctx.cfg.sessions.match)
@@ -198,10 +210,14 @@ async def agent_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) ->
     leaves = session.samples()
     if not leaves:
         raise ValueError(f"rollout.agent_fn {ctx.cfg.rollout.agent_fn} ended episode {request_id} without a turn")
-    leaf = leaves[-1]
-    return Sample(leaf.prompt_ids, leaf.response_ids, leaf.loss_mask, leaf.logprobs,
-                  _carry_versions(leaf.versions), chat.finish_reason, episode.answer_text,
-                  turns=chat.turns, tool_calls=episode.tool_calls)
+    return session_sample(leaves[-1], chat.finish_reason, episode.answer_text, chat.turns, episode.tool_calls)
+
+
+def session_sample(leaf: SessionSample, finish_reason: FinishReason, answer_text: str, turns: int,
+                   tool_calls: int) -> Sample:
+    """A session's leaf as the trajectory the trainer gets."""
+    return Sample(leaf.prompt_ids, leaf.response_ids, leaf.loss_mask, leaf.logprobs, _carry_versions(leaf.versions),
+                  finish_reason, answer_text, turns=turns, tool_calls=tool_calls)
 
 
 class EpisodeTooLong(Exception):
@@ -226,13 +242,13 @@ class _SessionChat:
         request = GenerateRequest(f"{self.request_id}/turn{self.turns}", tuple(input_ids), self.ctx.sampling)
         result = await self.ctx.engine.generate(request)
         self.turns += 1
-        self.finish_reason = _worst(self.finish_reason, result.finish_reason)
+        self.finish_reason = worst_finish(self.finish_reason, result.finish_reason)
         message = self.session.record(list(result.output_ids), list(result.logprobs), list(result.versions))
         self.tool_calls_seen += len(message.get("tool_calls") or ())
         return message
 
 
-def _worst(a: FinishReason, b: FinishReason) -> FinishReason:
+def worst_finish(a: FinishReason, b: FinishReason) -> FinishReason:
     order = ("stop", "length", "abort")
     return max(a, b, key=order.index)
 

@@ -189,7 +189,8 @@ class RolloutWorker:
         self.hook = hook or NoHook()
         self.samples_done = 0
         self.stalled_s = 0.0  # waiting for buffer credit
-        self.behind_s = 0.0  # waiting for a newer weight version (run.schedule sync, one_step)
+        self.behind_s = 0.0  # waiting for a newer weight version (the version floor, or async's projection)
+        self.log_write_s = 0.0  # encoding and producing records, not yet added to the ledger's log costs
         self.errors = ErrorWindow(cfg.rollout.max_errors, cfg.rollout.error_window_s)
         self.gave_up = ""  # why the worker stopped itself, if it did
         self._stop = asyncio.Event()
@@ -257,8 +258,12 @@ class RolloutWorker:
             return Group(GroupTask(prompt, self.cfg.rollout.group_size), position)
 
     async def _admission(self, group_id: str) -> str:
-        """Waits while there is no credit, or (run.schedule sync, one_step) while this engine is older than
-        the version the trainer asks the next batch of."""
+        """Waits while there is no credit, or while this engine is older than the version the trainer asks the
+        next batch of (run.schedule sync, one_step), or (async) than the version that keeps the group within the
+        staleness bound when the trainer will collect it (streams/ledger.py). The log's cost so far goes to the
+        ledger first (once a group, with the admission's own round trip: the trainer's step figures)."""
+        self.ledger.add_log_costs({"rollout_encode_s": self.log_write_s})
+        self.log_write_s = 0.0
         while True:
             version = self.engine.version
             faults.fail("worker.admitting")
@@ -320,7 +325,9 @@ class RolloutWorker:
         if self.group_refill:
             for _ in range(group.task.size):
                 self.slots.release()
+        started = time.perf_counter()
         self.producer.flush()
+        self.log_write_s += time.perf_counter() - started
         self._prompt_done(group.position)
 
     def _give_up(self) -> None:
@@ -362,6 +369,7 @@ class RolloutWorker:
 
     def _send(self, group: Group, index: int, logprobs: list[float], routing: list,
               topk: tuple[list[list[int]] | None, list[list[float]] | None], **fields) -> None:
+        started = time.perf_counter()
         trajectory = Trajectory(
             trajectory_id=f"{group.group_id}/{index}", group_id=group.group_id, prompt_id=group.prompt.prompt_id,
             sample_index=index, group_size=group.task.size, engine_id=self.worker_id, worker_id=self.worker_id,
@@ -371,6 +379,7 @@ class RolloutWorker:
                                                       group.task.size, logprobs, *topk)], key=group.group_id)
         for chunk in routing:  # a message each: chunking keeps every message under the broker's limit
             self.producer.send(topics.ROUTING, [chunk], key=group.group_id)
+        self.log_write_s += time.perf_counter() - started
 
     async def _follow_weights(self, stop: asyncio.Event) -> None:
         """Apply each newer announced version (only the newest, unless the transport needs every one);
@@ -460,7 +469,11 @@ class RolloutWorker:
 def make_engine(cfg: Config, worker_id: str) -> Engine:
     """An in-process CpuEngine, or (``rollout.engine_url``) engines behind SGLang's HTTP API: one
     engine server, milestream's router, or SGLang servers behind it; weight versions reach them as
-    disk files this worker stages under the run folder."""
+    disk files this worker stages under the run folder; or (``rollout.engine: vllm``) a vLLM server."""
+    if cfg.rollout.engine == "vllm":
+        from milestream.engines.vllm import vllm_engine
+
+        return vllm_engine(cfg, worker_id)
     if cfg.rollout.engine_url:
         from milestream.engines.http_engine import ROUTER_REPLY_MARGIN_S, HttpEngine
         from milestream.infra.secret_env import control_token

@@ -35,9 +35,18 @@ What the ledger keeps, per run (``redis.key_prefix`` and ``broker.topic_prefix``
 - the version floor (``run.schedule`` sync and one_step): the oldest weight version an engine may hold to
   admit a prompt. The trainer raises it before it gives a batch's credit back, so the credit it frees
   admits only prompts that a version new enough will generate.
+- async has its own floor, read from the same keys: a group admitted now waits behind the groups that hold
+  credit (capacity less credit available), so the trainer, at its version t, will collect it at version
+  t + ceil((held + 1) / trainer.batch_groups) at the latest (FIFO); an engine whose version would make the
+  group staler than the bound by then admits nothing until it takes a newer version. This is what keeps
+  the credit a batch frees (given back the moment the trainer announces a version, before the engines have
+  it) from admitting groups that are stale before they are generated.
 - the trainer's version: the newest it has announced, raised before each announcement, so a reader of
   weights.versions can tell an announcement from the future (not the trainer's) from a real one. After a
   lost broker or Redis it is set to the newest version on the log, lowered if need be.
+- the log's costs: seconds the stages spent on the log over the run (rollout workers encoding and producing
+  their records, the processors' CPU), so each training step can tell what the log cost while it ran.
+  Figures only: a lost Redis starts them again from zero.
 
 A resumed run finds these keys as the stopped run left them; ``reconcile`` rewrites them from the log
 after the broker was lost, ``rebuild`` writes them all on a fresh Redis after Redis was lost
@@ -56,11 +65,18 @@ EMITTED = "emitted"  # a settlement's outcome; any other outcome is a drop reaso
 
 ADMITTED, READMITTED, COMPLETE, NO_CREDIT, BEHIND = "admitted", "readmitted", "complete", "no-credit", "behind"
 
-# KEYS: credit, admitted, prompts admitted, settlements, floor. ARGV: group id, holder, the holder's weight
-# version. Returns one of the above.
+# KEYS: credit, admitted, prompts admitted, settlements, floor, trainer version. ARGV: group id, holder, the
+# holder's weight version, then (async; empty otherwise) the capacity, trainer.batch_groups and the staleness
+# bound. Returns one of the above.
 _ADMIT = """
 if redis.call('HGET', KEYS[4], ARGV[1]) then return 'complete' end
 if tonumber(ARGV[3]) < tonumber(redis.call('GET', KEYS[5]) or '0') then return 'behind' end
+local trainer = redis.call('GET', KEYS[6])
+if ARGV[4] and trainer then
+  local ahead = tonumber(ARGV[4]) - tonumber(redis.call('GET', KEYS[1]) or '0')
+  local collected_at = tonumber(trainer) + math.ceil((ahead + 1) / tonumber(ARGV[5]))
+  if collected_at - tonumber(ARGV[3]) > tonumber(ARGV[6]) then return 'behind' end
+end
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
   return 'readmitted'
@@ -146,6 +162,7 @@ class LedgerKeys:
     version_floor: str
     trainer_version: str
     trainer_drops: str  # hash: group id -> "<version>:<reason>" (TrainerDrop)
+    log_costs: str  # hash: cost name -> seconds over the run
 
     @classmethod
     def of(cls, cfg: Config) -> "LedgerKeys":
@@ -153,7 +170,7 @@ class LedgerKeys:
         return cls(namespace + "credit", namespace + "admitted", namespace + "queued", namespace + "taken-early",
                    namespace + "processor-groups", namespace + "processor-totals",
                    namespace + "prompts-admitted", namespace + "prompts-published", namespace + "version-floor",
-                   namespace + "trainer-version", namespace + "trainer-drops")
+                   namespace + "trainer-version", namespace + "trainer-drops", namespace + "log-costs")
 
 
 @dataclass(frozen=True)
@@ -198,6 +215,9 @@ class BufferLedger:
         self.client = redis_client(cfg.redis, socket_timeout=10)
         self.keys = LedgerKeys.of(cfg)
         self.capacity = cfg.buffer_capacity
+        # async: the bound a group's staleness at collection must stay within to be admitted (see the docstring)
+        self.projection = [] if cfg.admission_lead is not None else [self.capacity, cfg.trainer.batch_groups,
+                                                                     cfg.staleness_bound]
         self._admit = self.client.register_script(_ADMIT)
         self._begin = self.client.register_script(_BEGIN)
         self._settle = self.client.register_script(_SETTLE)
@@ -212,10 +232,11 @@ class BufferLedger:
     def admit(self, group_id: str, holder: str, version: int) -> str:
         """ADMITTED (a credit taken), READMITTED (admitted before, by a worker that died or stopped: it keeps
         that credit), COMPLETE (the processor has the whole group: nothing to redo), BEHIND (the holder's
-        engine, at ``version``, is older than the version floor) or NO_CREDIT."""
+        engine, at ``version``, is older than the version floor, or in async would make the group stale at
+        its collection) or NO_CREDIT."""
         keys = [self.keys.credit, self.keys.admitted, self.keys.prompts_admitted, self.keys.settlements,
-                self.keys.version_floor]
-        return _text(self._admit(keys=keys, args=[group_id, holder, version]))
+                self.keys.version_floor, self.keys.trainer_version]
+        return _text(self._admit(keys=keys, args=[group_id, holder, version, *self.projection]))
 
     def raise_floor(self, version: int) -> int:
         """Admit nothing more on an engine older than ``version`` (never lowered); returns the floor."""
@@ -350,6 +371,17 @@ class BufferLedger:
         available, queued, in_flight = self.available(), self.queued(), int(self.client.hlen(self.keys.admitted))
         return {"capacity": self.capacity, "available": available, "queued": queued, "in_flight": in_flight,
                 "unaccounted": self.capacity - available - queued - in_flight}
+
+    # what the log costs the stages
+    def add_log_costs(self, seconds: Mapping[str, float]) -> None:
+        """Add to the run's totals of each named cost (e.g. ``rollout_encode_s``, ``processor_cpu_s``)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for name, value in seconds.items():
+                pipe.hincrbyfloat(self.keys.log_costs, name, value)
+            pipe.execute()
+
+    def log_costs(self) -> dict[str, float]:
+        return {k.decode(): float(v) for k, v in self.client.hgetall(self.keys.log_costs).items()}
 
     # the prompt feeder keeps a bounded look-ahead of prompts beyond what workers have admitted
     def prompts_admitted(self) -> int:

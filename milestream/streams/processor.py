@@ -113,6 +113,7 @@ class Processor:
         self.counts: collections.Counter[str] = collections.Counter()
         self.delivered: list[tuple[Outcome, Position | KafkaError]] = []
         self.started = time.monotonic()
+        self.cpu_counted = time.process_time()  # up to what the ledger's log costs hold of this process's CPU
         self.stopping = False
         expire_every = min(10.0, max(0.05, cfg.buffer.incomplete_after_s / 4))  # a group leaves within ~1.25 windows
         self.timers = {self._commit: cfg.buffer.commit_interval_s, self.publish_metrics: cfg.buffer.metrics_interval_s,
@@ -241,8 +242,12 @@ class Processor:
         self._new_version(max(record.version for record in records))
 
     def _follow_trainer(self) -> None:
-        """The trainer's newest version from the ledger: what a member without weights.versions goes by."""
+        """The trainer's newest version from the ledger: what a member without weights.versions goes by; and
+        this process's CPU since the last call, to the ledger's log costs (the trainer's step figures)."""
         self._new_version(self.ledger.trainer_version() or 0)
+        cpu = time.process_time()
+        self.ledger.add_log_costs({"processor_cpu_s": cpu - self.cpu_counted})
+        self.cpu_counted = cpu
 
     def _new_version(self, version: int) -> None:
         if version > self.assembler.latest_version:

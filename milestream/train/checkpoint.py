@@ -107,6 +107,30 @@ def saved(run_dir: str | Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def saved_offsets(folder: str | Path) -> dict[int, int]:
+    """The buffer.groups offsets a checkpoint resumes from, from its manifest alone (its tensors unread)."""
+    manifest_path = Path(folder) / MANIFEST
+    try:
+        offsets = json.loads(manifest_path.read_text())["state"]["offsets"]
+        return {int(p): int(o) for p, o in offsets.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{manifest_path}: no readable offsets ({type(exc).__name__}: {exc})") from None
+
+
+def roll_back(run_dir: str | Path, step: int) -> list[int]:
+    """Make the checkpoint of ``step`` (0: none, a fresh start) the latest and delete every newer one; returns
+    the steps deleted. For a resume whose log lost what the newer checkpoints had trained (log/restore.py)."""
+    root = checkpoint_root(run_dir)
+    newer = [s for s in saved(run_dir) if s > step]
+    if step:
+        _write_latest(root, f"step_{step:06d}")
+    else:
+        (root / "latest").unlink(missing_ok=True)
+    for s in newer:
+        shutil.rmtree(root / f"step_{s:06d}")
+    return newer
+
+
 def load_latest(run_dir: str | Path) -> dict | None:
     """The newest checkpoint (``load``), None when the run has none yet."""
     name = _latest_name(run_dir)

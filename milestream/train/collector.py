@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -73,8 +74,16 @@ Selector = Callable[[Sequence[PooledGroup], int], list[PooledGroup]]
 
 
 def fifo(pool: Sequence[PooledGroup], count: int) -> list[PooledGroup]:
-    """The groups that arrived first (the default)."""
+    """The groups that arrived first."""
     return sorted(pool, key=lambda g: g.arrival)[:count]
+
+
+def soonest_stale_first(pool: Sequence[PooledGroup], count: int) -> list[PooledGroup]:
+    """The groups that pass the staleness bound soonest (oldest token first), then those that arrived first (the
+    default): a group is trained before it goes stale whenever a batch can take it, so the only stale drops are
+    those no order could have saved. A long-tailed group arrives after groups admitted later; first in first out
+    would leave it for a later step, past the bound."""
+    return sorted(pool, key=lambda g: (g.oldest_version, g.arrival))[:count]
 
 
 def freshest_first(pool: Sequence[PooledGroup], count: int) -> list[PooledGroup]:
@@ -91,15 +100,19 @@ class GroupCollector:
         text_config = model_config(cfg.model).get_text_config()
         self.vocab_size, self.context = text_config.vocab_size, text_config.max_position_embeddings
         self.partitions = len(partitions)
-        self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, f"{cfg.broker.topic_prefix}trainer",
-                                       deadletter=producer).assign(offsets, partitions)
-        self.reader = PositionReader(cfg.broker, f"{cfg.broker.topic_prefix}trainer-records")
+        self.shadow = cfg.trainer.shadow
+        group = f"{cfg.broker.topic_prefix}trainer" + (f"-shadow-{cfg.run_path.name}" if self.shadow else "")
+        self.consumer = RecordConsumer(cfg.broker, topics.GROUPS, group,
+                                       deadletter=None if self.shadow else producer).assign(offsets, partitions)
+        self.reader = PositionReader(cfg.broker, f"{group}-records")
         self.topic = {spec: topic_name(cfg.broker, spec) for spec in source_topics(cfg.distill.enabled)}
         self.held = HeldOffsets(resumed=offsets)
         self.pool: dict[str, PooledGroup] = {}
         self.arrivals = 0
         self.dropped_stale = 0
         self.collected_lags: list[int] = []  # of every group taken or dropped stale since the last step's figures
+        self.log_read_s = 0.0  # reading and decoding from the log since the last step's figures
+        self.costs_counted = self.ledger.log_costs()  # the other stages' log costs, up to the last step's figures
         # by reason, up to the last step's figures: a fresh run counts from its start, a resumed one from now
         self.drops_counted = self._drop_totals() if resumed else {}
 
@@ -107,14 +120,18 @@ class GroupCollector:
         """``count`` fresh groups chosen by the selector, their records joined, each with its staleness; None
         once stopping."""
         while not stopping():
+            cpu = time.thread_time()  # of the manifests' polls only their decoding is the log's: not the wait
             self._read(timeout=0.0 if len(self.pool) >= count else 1.0)  # enough pooled: what is there, no wait
+            self.log_read_s += time.thread_time() - cpu
             self._drop_stale(version)
             if len(self.pool) < count:
                 continue
+            started = time.perf_counter()
             chosen = self._joined(self.selector(list(self.pool.values()), count))
+            self.log_read_s += time.perf_counter() - started
             if len(chosen) < count:  # some were invalid and have left: choose again
                 continue
-            if self.cfg.admission_lead is not None:
+            if self.cfg.admission_lead is not None and not self.shadow:
                 self.ledger.raise_floor(version + self.cfg.admission_lead)
             for group in chosen:
                 self._leave(group)
@@ -140,6 +157,18 @@ class GroupCollector:
         since = {reason: count - self.drops_counted.get(reason, 0) for reason, count in totals.items()}
         self.drops_counted = totals
         return {f"dropped_{reason}": float(count) for reason, count in sorted(since.items())}
+
+    def take_cost_figures(self) -> dict[str, float]:
+        """What the log cost since the last call: ``log_read_s`` (this trainer reading its manifests and records,
+        decoding and joining them), ``log_write_s`` (the rollout workers encoding and producing their records),
+        ``processor_cpu_s`` (the processors' CPU). A total that went down (a lost Redis) counts from zero."""
+        totals, before = self.ledger.log_costs(), self.costs_counted
+
+        def since(name: str) -> float:
+            total, counted = totals.get(name, 0.0), before.get(name, 0.0)
+            return total - counted if total >= counted else total
+        read, self.costs_counted, self.log_read_s = self.log_read_s, totals, 0.0
+        return {"log_read_s": read, "log_write_s": since("rollout_encode_s"), "processor_cpu_s": since("processor_cpu_s")}
 
     def _drop_totals(self) -> dict[str, int]:
         totals = {key.removeprefix("dropped_"): count for key, count in self.ledger.run_totals().items()
@@ -186,6 +215,8 @@ class GroupCollector:
         else:
             self.pool.pop(group.group_id, None)
             self.held.done(group.position.partition, group.position.offset)
+        if self.shadow:  # the live trainer dead-letters it
+            return
         self.producer.dead_letter(group.position, RecordError(group.position, exc.field, str(exc)),
                                   key if key is not None else group.group_id.encode(), group.value)
 
@@ -200,7 +231,11 @@ class GroupCollector:
 
     def _drop(self, group: PooledGroup, drop: TrainerDrop, detail: str | None = None) -> None:
         """Drop the group for good (see the module docstring): the ledger first, then its record, which names
-        this life of the trainer. ``detail`` None: as an earlier life decided."""
+        this life of the trainer. ``detail`` None: as an earlier life decided. A shadow only counts its stale drops:
+        the group's fate is the live trainer's."""
+        if self.shadow:
+            self.dropped_stale += drop.reason == "stale"
+            return
         decided = self.ledger.drop_for_good(group.group_id, drop)
         if detail is None or decided != drop:  # a drop of an earlier life stands
             detail = f"{decided.reason}, as an earlier life of the trainer decided"
@@ -215,7 +250,8 @@ class GroupCollector:
         self.pool.pop(group.group_id, None)
         self.seen_groups.add(group.group_id)
         self.held.done(group.position.partition, group.position.offset)
-        self.ledger.leave(group.group_id)
+        if not self.shadow:
+            self.ledger.leave(group.group_id)
 
     # ---- records in -----------------------------------------------------------------------------------
 

@@ -45,11 +45,12 @@ class Trainer:
         self.stopping = False
         if self.leader:
             self.producer = RecordProducer(cfg.broker, client_id="trainer")
-            self.sender = weights.make_sender(cfg)  # cfg.weights.transport
+            self.sender = None if cfg.trainer.shadow else weights.make_sender(cfg)  # cfg.weights.transport
             self.collector = GroupCollector(cfg, self.producer, self.state.offsets,
                                             Admin(cfg.broker).partitions(topics.GROUPS), self.state.seen_groups,
                                             resumed=self.state.step > 0)
-            if cfg.admission_lead is not None:  # sync, one_step: the next batch is this version's (or newer)
+            # sync, one_step: the next batch is this version's (or newer); a shadow leaves admission to the live one
+            if cfg.admission_lead is not None and not cfg.trainer.shadow:
                 self.collector.ledger.raise_floor(self.state.version)
 
     def _resume(self) -> checkpoint.TrainerState:
@@ -93,10 +94,14 @@ class Trainer:
         if self.leader:
             self.producer.flush()
             self.collector.close()
-            self.sender.close()
+            if self.sender is not None:
+                self.sender.close()
 
     def announce(self, version: int, step: int, exported) -> None:
-        """Publish a version, the ledger told first: readers refuse an announcement past the trainer's version."""
+        """Publish a version, the ledger told first: readers refuse an announcement past the trainer's version. A
+        shadow publishes none: the engines follow the live trainer."""
+        if self.sender is None:
+            return
         self.collector.ledger.raise_trainer_version(version)
         self.sender.publish(self.producer, version, step, exported)
 
@@ -122,9 +127,11 @@ class Trainer:
         values = {**figures, "version": float(self.state.version), "member_pid": float(os.getpid()),  # its life
                   **self.collector.ledger.figures(self.state.version),
                   "staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
-                  **self.collector.take_pool_figures(self.state.version), **self.collector.take_drop_figures()}
-        record = Metrics("trainer", self.state.step, time.time(), values, [g.group_id for g in batch], lags)
-        self.producer.send(topics.METRICS, [record], key="trainer")
+                  **self.collector.take_pool_figures(self.state.version), **self.collector.take_drop_figures(),
+                  **self.collector.take_cost_figures()}
+        source = f"shadow/{self.cfg.run_path.name}" if self.cfg.trainer.shadow else "trainer"  # none of the lineage
+        record = Metrics(source, self.state.step, time.time(), values, [g.group_id for g in batch], lags)
+        self.producer.send(topics.METRICS, [record], key=source)
         self.producer.flush()
         log.info("step %d reward %.3f loss %.4f staleness %.2f/%d queue %d (%.1fs)", self.state.step,
                  values["reward_mean"], values["loss"], values["staleness_mean"], max(lags), values["queue_size"],

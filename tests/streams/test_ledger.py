@@ -125,7 +125,7 @@ def test_reconcile_rewrites_credit_queue_admissions_and_forgets_unsettled_groups
                                 admitted=("f#0",), trainer_version=4))
     assert ledger.trainer_version() == 4
     assert ledger.available() == 3 and ledger.queued_versions() == [2] and ledger.prompts_admitted() == 7
-    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("f#0", "w", 0) == READMITTED
+    assert ledger.in_flight() == {"f#0": "restored"} and ledger.admit("f#0", "w", 4) == READMITTED
     assert ledger.settlement("redo#0") is None and ledger.settlement("early#0") == SENDING
     assert ledger.leave("early#0")  # its early take was forgotten: the resumed trainer takes it again
     assert ledger.leave("q#0") and ledger.available() == 4
@@ -153,3 +153,14 @@ def test_an_engine_older_than_the_version_floor_admits_nothing_and_the_floor_nev
     assert ledger.available() == ledger.capacity - 1 and ledger.version_floor() == 3
     assert ledger.admit("b#0", "w", 3) == ADMITTED and ledger.admit("a#0", "w2", 4) == READMITTED
     assert ledger.balance()["unaccounted"] == 0
+
+
+def test_async_admits_no_group_that_would_be_past_the_staleness_bound_when_the_trainer_collects_it(cfg):
+    ledger = BufferLedger(cfg)  # async: capacity 4 groups, batches of 2, staleness bound 2
+    ledger.raise_trainer_version(3)
+    # the trainer, at 3, collects the next 2 groups at version 4 and the 2 after them at 5 (at the latest)
+    assert ledger.admit("a#0", "w", 2) == ADMITTED and ledger.admit("b#0", "w", 2) == ADMITTED  # at 4: lag 2
+    assert ledger.admit("c#0", "w", 2) == BEHIND and ledger.available() == 2  # at 5: lag 3; no credit taken
+    assert ledger.admit("c#0", "w", 3) == ADMITTED and ledger.balance()["unaccounted"] == 0
+    one_step = BufferLedger(cfg.with_overrides(run={"schedule": "one_step"}))  # its floor decides, not this
+    assert one_step.admit("d#0", "w", 0) == ADMITTED

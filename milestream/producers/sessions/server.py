@@ -4,6 +4,8 @@
     POST   /sessions/{id}/chat      {"messages", "tools"?, "sampling"?}     -> {"message", "finish_reason", ...}
     GET    /sessions/{id}/samples                                           -> {"samples": [SessionSample, ...]}
     DELETE /sessions/{id}                                                   -> {"samples": [...]} (the last look)
+    POST   /sessions/{id}/v1/chat/completions, GET /sessions/{id}/v1/models: OpenAI's API on the session
+           (openai_api.py): ``openai.OpenAI(base_url=".../sessions/{id}/v1", api_key=TOKEN)``
 
 A chat turn sends the session's exact prompt ids to the backend with the session id as the routing
 key (a cache-affine router keeps every turn of a session on one engine) and stops at the
@@ -21,7 +23,9 @@ not JSON (415) are refused before any route (engines/http_api.py ``Guard``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -29,7 +33,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -37,6 +41,7 @@ from aiohttp import web
 from milestream.config import Config, RolloutConfig, import_path
 from milestream.engines.engine import Engine, GenerateRequest, GenerateResult, SamplingParams
 from milestream.engines.http_api import Guard, serve_app
+from milestream.producers.sessions.openai_api import SamplingRules, chat_completion, models_reply
 from milestream.producers.sessions.templates import ChatTemplate, TemplateError, chat_template
 from milestream.producers.sessions.tito import MATCH_LEVELS, MatchLevel, TokenSession
 
@@ -74,13 +79,16 @@ class RequestError(ValueError):
 class SessionService:
     def __init__(self, template: ChatTemplate, backend: GenerateBackend, rollout: RolloutConfig, *,
                  match: MatchLevel = "strict", max_sessions: int = 1024, idle_expiry_s: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, model: str = "policy") -> None:
         self.template = template
         self.backend = backend
         self.rollout = rollout
         self.match = match
         self.max_sessions = max_sessions
         self.idle_expiry_s, self.clock = idle_expiry_s, clock
+        self.model = model  # the name OpenAI's API answers with
+        self.openai_rules = SamplingRules(rollout.max_new_tokens, rollout.temperature,
+                                          topk_logprobs=rollout.logprobs_topk)
         self.sessions: dict[str, TokenSession] = {}
         # session id -> when it was last used (inf while a turn runs), least recently used first
         self._used: OrderedDict[str, float] = OrderedDict()
@@ -93,6 +101,8 @@ class SessionService:
             web.post("/sessions/{session_id}/chat", self.chat),
             web.get("/sessions/{session_id}/samples", self.samples),
             web.delete("/sessions/{session_id}", self.close),
+            web.post("/sessions/{session_id}/v1/chat/completions", self.chat_completions),
+            web.get("/sessions/{session_id}/v1/models", self.models),
         ])
         return app
 
@@ -116,15 +126,11 @@ class SessionService:
         body = await _json_body(request)
         turn = session.begin(body.get("messages"), body.get("tools"))
         sampling = self._sampling(body.get("sampling", {}))
-        self._used[session_id] = math.inf  # never idle while its turn runs
         try:
-            result = await self.backend.generate(list(turn.prompt_ids), sampling, session_id)
+            with self._turn_running(session_id):
+                result = await self.backend.generate(list(turn.prompt_ids), sampling, session_id)
         except Exception as exc:  # noqa: BLE001 - the agent gets the backend's own words (which engine failed, why)
             return web.json_response({"error": f"session {session_id}: generation failed: {exc}"}, status=502)
-        finally:
-            if session_id in self._used:
-                self._used[session_id] = self.clock()
-                self._used.move_to_end(session_id)
         message = session.finish(turn, result.output_ids, result.logprobs, result.versions)
         return web.json_response({
             "message": message,
@@ -133,6 +139,27 @@ class SessionService:
             "completion_tokens": len(result.output_ids),
             "weight_versions": sorted(set(result.versions)),
         })
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        session_id, session = self._session(request)
+        with self._turn_running(session_id):
+            generate = functools.partial(self.backend.generate, routing_key=session_id)
+            return await chat_completion(request, session, generate, self.openai_rules, self.model)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._session(request)
+        return models_reply(self.model)
+
+    @contextlib.contextmanager
+    def _turn_running(self, session_id: str) -> Iterator[None]:
+        """A session is never idle while a turn of it runs."""
+        self._used[session_id] = math.inf
+        try:
+            yield
+        finally:
+            if session_id in self._used:
+                self._used[session_id] = self.clock()
+                self._used.move_to_end(session_id)
 
     async def samples(self, request: web.Request) -> web.Response:
         _, session = self._session(request)
@@ -222,7 +249,8 @@ def build_service(cfg: Config) -> SessionService:
         tokenizer = load_tokenizer(cfg.model)
     backend = import_path(cfg.sessions.backend, "sessions.backend")(cfg)
     return SessionService(chat_template(tokenizer), backend, cfg.rollout, match=cfg.sessions.match,
-                          max_sessions=cfg.sessions.max_sessions, idle_expiry_s=cfg.sessions.idle_expiry_s)
+                          max_sessions=cfg.sessions.max_sessions, idle_expiry_s=cfg.sessions.idle_expiry_s,
+                          model=cfg.model.path or cfg.model.name)
 
 
 def serve_sessions(cfg: Config) -> None:

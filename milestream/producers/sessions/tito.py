@@ -25,7 +25,7 @@ that token as scaffolding (loss mask 0), so the next turn's template text follow
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,14 +114,16 @@ class TokenSession:
                     _ids(parent) + appended, prefill)
 
     def finish(self, turn: Turn, output_ids: Sequence[int], logprobs: Sequence[float],
-               versions: Sequence[int]) -> dict:
-        """``record`` for a turn from ``begin``."""
+               versions: Sequence[int], stop_ids: Collection[int] = ()) -> dict:
+        """``record`` for a turn from ``begin``; a turn that ended at one of ``stop_ids`` (a request's own stop
+        tokens) is read without it, and closed as one that stopped short."""
         if not len(output_ids) == len(logprobs) == len(versions):
             raise ValueError(f"output_ids, logprobs and versions differ in length: "
                              f"{len(output_ids)}, {len(logprobs)}, {len(versions)}")
         generated = [int(token) for token in output_ids]
         closed = bool(generated) and generated[-1] == self.template.end_of_turn_id
-        text = self.template.decode(generated[:-1] if closed else generated)
+        stopped = bool(generated) and generated[-1] in stop_ids
+        text = self.template.decode(generated[:-1] if closed or stopped else generated)
         message = self.template.parse_assistant(turn.prefill + text)
         for index, call in enumerate(message.get("tool_calls", ())):
             call["id"] = f"call_{len(self._nodes)}_{index}"
