@@ -139,7 +139,10 @@ def test_a_request_in_flight_is_kept_or_aborted_across_an_update(server: VllmSer
         before = await served_label(server.url)
         vllm = engine(server, tmp_path, inflight=inflight, initial_version=version - 1)
         chunks = streamed(server.url, rid)
-        seen = [await anext(chunks)]  # generating: LONG tokens are far off
+        seen = [await anext(chunks)]  # generating
+        # frozen in the server by construction (a machine fast enough could otherwise finish it while the
+        # update is prepared); the update's own pause then aborts it or keeps it, and its resume goes on
+        await vllm._call("/pause?mode=keep", {})
         await vllm.update_weights(version, nudged(1e-3 * version))
         after = 0
         async for chunk in chunks:  # kept, it goes on: a few chunks past the update, end it (its spans show)
