@@ -40,7 +40,7 @@ from milestream.engines.vllm import check_vllm
 from milestream.evaluate.evaluation import finish_evaluation
 from milestream.infra.kafka import Admin, RecordProducer
 from milestream.infra.secret_env import run_credentials, stage_environment
-from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate
+from milestream.infra.services import Services, die_with_parent, embedded, free_port, terminate, wait_or_kill
 from milestream.log.accounting import rebuild_from_broker
 from milestream.log.lineage import Lineage, check_observed
 from milestream.observe.feed import TopicFeed
@@ -268,12 +268,7 @@ def stop_stages(children: list[Child], trainer: Child, keep: tuple[str, ...] = (
                 child.proc.terminate()
         told = time.monotonic()
         for child in wave:
-            grace = (120.0 if child is trainer else 20.0) - (time.monotonic() - told)
-            try:
-                child.proc.wait(max(grace, 0.0))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+            wait_or_kill(child.proc, (120.0 if child is trainer else 20.0) - (time.monotonic() - told))
 
 
 def evaluate_run_end(cfg: Config, printed_evals: set[tuple[str, int, float]]) -> list[EvalResult]:

@@ -46,8 +46,13 @@ def terminate(proc: subprocess.Popen, grace: float) -> None:
     if proc.poll() is not None:
         return
     proc.terminate()
+    wait_or_kill(proc, grace)
+
+
+def wait_or_kill(proc: subprocess.Popen, grace: float) -> None:
+    """Wait up to ``grace`` seconds for a process already told to stop, then SIGKILL it."""
     try:
-        proc.wait(grace)
+        proc.wait(max(grace, 0.0))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
