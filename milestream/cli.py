@@ -186,13 +186,16 @@ def _track(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError("no tracker to write: give --tensorboard, --wandb or --mlflow-uri, or set "
                           "observe.tensorboard, observe.wandb or observe.mlflow_uri")
     archive = Path(args.from_archive) if args.from_archive else None
+    # before the stores are opened (seconds): a tracker told to stop while it starts still writes what the
+    # run published, reading to the log's end
+    stop = stop_on_signals()
     trackers = open_trackers(cfg, cfg.observe.writers)
     if archive is not None:  # an old run's folder gets new files: say which
         print(f"writing the archived run {archive} into its folder: each writer's position under "
               f"{trackers[0].position.parent}", flush=True)
     for tracker in trackers:
         print(f"{tracker.sink.name}: writing to {tracker.target}", flush=True)
-    for tracker in track(cfg, trackers, stop_on_signals(), archive):
+    for tracker in track(cfg, trackers, stop, archive):
         print(f"{tracker.sink.name}: {tracker.target}, up to step {tracker.written.step}", flush=True)
     return 0
 
@@ -219,7 +222,8 @@ def _audit(cfg: Config, args: argparse.Namespace) -> int:
 def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.streams.weights.verify import WeightVerifier
 
-    WeightVerifier(cfg).run(stop_on_signals())
+    stop = stop_on_signals()  # before the set-up: a stage told to stop while it starts stops in order
+    WeightVerifier(cfg).run(stop)
     return 0
 
 

@@ -26,6 +26,7 @@ def distill_steps(cfg, tmp_path, steps: int, teacher_scale: float = 1.0, student
     summary = run_showing_logs(cfg)
     assert summary["steps"] == steps
     source = BrokerSource(cfg, idle_s=3.0)
+    source.prefetch((topics.TEACHER_LOGPROBS, topics.METRICS))
     teacher_records = [r for m in source.messages(topics.TEACHER_LOGPROBS) for r in m.records]
     assert len({r.trajectory_id for r in teacher_records}) >= steps * cfg.trainer.batch_groups * cfg.rollout.group_size
     return [s.values for s in lineage_of(source.messages(topics.METRICS)).trainer_steps()]

@@ -55,6 +55,7 @@ def test_whole_loop(loop_cfg):
     assert summary["steps"] == cfg.trainer.steps and summary["stopped_by"] == "steps"
 
     source = BrokerSource(cfg, idle_s=3.0)  # raises on a record that does not decode
+    source.prefetch(topics.CATALOGUE)
     every = {spec.name: [r for m in source.messages(spec) for r in m.records] for spec in topics.CATALOGUE}
     assert every["deadletter"] == []
     lineage = archived_lineage(cfg.run.run_dir)

@@ -190,6 +190,7 @@ class RecordConsumer(Generic[R]):
         self.topic, self.group_id = topic_name(cfg, spec), group_id
         self.subscribed = False
         self.owned: set[int] = set()  # a subscribed member's partitions, as its rebalance callbacks tell
+        self.starts: dict[int, int] = {}  # an assigned reader's first offsets
 
     def subscribe(self) -> "RecordConsumer[R]":
         """Share the topic's partitions with the other members of the group (they rebalance as members come
@@ -213,6 +214,7 @@ class RecordConsumer(Generic[R]):
         """Read the given partitions from the given next offsets (the beginning where none is given)."""
         offsets = offsets or {}
         wanted = set(partitions) | set(offsets)
+        self.starts = {p: offsets.get(p, 0) for p in wanted}  # librdkafka knows no position before a read
         self.consumer.assign([TopicPartition(self.topic, p, offsets.get(p, OFFSET_BEGINNING)) for p in sorted(wanted)])
         return self
 
@@ -265,26 +267,37 @@ class RecordConsumer(Generic[R]):
         finally:
             self.consumer.resume([TopicPartition(self.topic, p) for p in sorted(paused | self.owned)])
 
+    def ends(self) -> dict[int, int]:
+        """The end offset the broker reports now for each assigned partition: on tansu a lower bound (its last
+        batch's start + 1), which still brings the whole batch in."""
+        return {tp.partition: end_offset(self, tp.partition) for tp in self.consumer.assignment()}
+
+    def reached(self, ends: dict[int, int]) -> bool:
+        """Whether every partition in ``ends`` has been read up to its offset there."""
+        positions = self.consumer.position([TopicPartition(self.topic, p) for p in ends])
+        return all(max(tp.offset, self.starts.get(tp.partition, 0)) >= ends[tp.partition] for tp in positions)
+
     def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Delivery[R]]:
-        """Everything until the topic stays quiet for ``idle_s`` (tansu's end offsets are unreliable)."""
-        out: list[Delivery[R]] = []
-        deadline = time.monotonic() + max_wait_s
+        """Everything up to the end offsets the broker reports at the call, then until the topic stays quiet for
+        ``idle_s``. Quiet alone is no end: a reader that has not fetched yet looks like an empty topic."""
+        ends, out = self.ends(), []
+        quiet = time.monotonic()
+        deadline = quiet + max_wait_s
         while time.monotonic() < deadline:
-            delivery = self.poll(idle_s)
-            if delivery is None:
+            delivery = self.poll(min(idle_s, 0.5))
+            if delivery is not None:
+                out.append(delivery)
+                quiet = time.monotonic()
+            elif time.monotonic() - quiet >= idle_s and self.reached(ends):
                 break
-            out.append(delivery)
         return out
 
     def drain_to_end(self, partition: int, max_wait_s: float = 60.0) -> list[Delivery[R]]:
         """Everything one assigned partition holds now: read up to the end offset the broker reports at the
-        call. A reader that has not fetched yet would look like an empty topic to ``drain``."""
-        end, out = end_offset(self, partition), []
+        call, and no further wait."""
+        ends, out = {partition: end_offset(self, partition)}, []
         deadline = time.monotonic() + max_wait_s
-        while end > 0 and time.monotonic() < deadline:
-            (position,) = self.consumer.position([TopicPartition(self.topic, partition)])
-            if position.offset >= end:
-                break
+        while not self.reached(ends) and time.monotonic() < deadline:
             if (delivery := self.poll(0.5)) is not None:
                 out.append(delivery)
         return out

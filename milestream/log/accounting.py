@@ -92,6 +92,8 @@ class LoggedRun:
     def read(cls, source: LogSource, trainer: TrainerPosition) -> "LoggedRun":
         """``source`` should skip what does not decode (``SkipBadRecords``); what a stage dead-lettered is
         passed over here: none of it entered or left the buffer."""
+        source.prefetch((topics.DEADLETTER, topics.PROMPTS, *SOURCES, topics.GROUPS, topics.DROPPED,
+                         topics.WEIGHT_VERSIONS))
         letters = source.fields(topics.DEADLETTER, ("source_topic", "partition", "offset"))
         dead = dead_lettered((d["source_topic"], d["partition"], d["offset"]) for m in letters for d in m.records)
 

@@ -91,9 +91,10 @@ def audit_run(run_dir: str | Path, source: LogSource | None = None) -> Audit:
     if source is None:
         lineage = archived_lineage(run_dir)
     else:
+        specs = (topics.METRICS, topics.DROPPED, topics.GROUPS)
+        source.prefetch((topics.DEADLETTER, *specs))
         dead = dead_lettered((d.source_topic, d.partition, d.offset)
                              for m in source.messages(topics.DEADLETTER) for d in m.records)
-        specs = (topics.METRICS, topics.DROPPED, topics.GROUPS)
         lineage = lineage_of(m for spec in specs for m in source.messages(spec) if _position(m) not in dead)
     payload = checkpoint.load_latest(run_dir)
     fates = lineage.fates(checkpoint.restore(payload) if payload is not None else checkpoint.TrainerState())
@@ -123,6 +124,7 @@ def explain(source: LogSource, group_ids: Iterable[str]) -> dict[str, dict[str, 
     wanted = set(group_ids)
     records: dict[str, dict[str, list[str]]] = {g: collections.defaultdict(list) for g in wanted}
     decisions: dict[str, list[dict[str, Any]]] = {g: [] for g in wanted}
+    source.prefetch((topics.METRICS, *SOURCES, topics.GROUPS, topics.DROPPED))
     metrics = source.messages(topics.METRICS)
     lives = _lives(metrics)
 

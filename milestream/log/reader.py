@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 from milestream.config import Config, UserError
 from milestream.infra.kafka import Admin, RecordConsumer, end_offset
@@ -111,6 +113,9 @@ class LogSource(Protocol):
     def fields(self, spec: topics.TopicSpec, names: Sequence[str]) -> list[LoggedMessage[Fields]]:
         """As ``messages``, with only the fields ``names`` of each record (cheap where the source can skip the rest)."""
 
+    def prefetch(self, specs: Iterable[topics.TopicSpec]) -> None:
+        """Start reading ``specs`` at once: a reader of several topics calls it first, so their waits overlap."""
+
 
 class ArchiveSource:
     """The Parquet segments under RUN_DIR/archive, each topic read once."""
@@ -125,21 +130,45 @@ class ArchiveSource:
     def fields(self, spec: topics.TopicSpec, names: Sequence[str]) -> list[LoggedMessage[Fields]]:
         return list(read_archive_fields(self.run_dir, spec, names, self.on_bad))
 
+    def prefetch(self, specs: Iterable[topics.TopicSpec]) -> None:
+        """Nothing to overlap: a topic is read from disk without waiting."""
+
 
 class BrokerSource:
     """A run's topics on a live broker, read from the beginning without joining a consumer group.
 
     Each partition is read at least up to the end offset the broker reports when reading starts (on
     tansu that is the last batch's start + 1, a lower bound; NOTES.md), then until the topic stays
-    quiet for ``idle_s``: a run still writing may have more by the time the reader stops.
+    quiet for ``idle_s``: a run still writing may have more by the time the reader stops. Each topic is read
+    once, by its own consumer in a thread of its own: the topics given to ``prefetch`` are read at the same
+    time, so a reader of every topic waits ``idle_s`` once, not once per topic.
     """
 
     def __init__(self, cfg: Config, idle_s: float = 1.0, max_wait_s: float = 120.0,
                  on_bad: OnBadRecord = raise_bad_record):
         self.cfg, self.idle_s, self.max_wait_s, self.on_bad = cfg, idle_s, max_wait_s, on_bad
+        self._reads: dict[str, Future[list[LoggedMessage[Record]]]] = {}
+        self._lock = threading.Lock()
 
-    @functools.cache
+    def prefetch(self, specs: Iterable[topics.TopicSpec]) -> None:
+        with self._lock:
+            for spec in specs:
+                if spec.name not in self._reads:
+                    self._reads[spec.name] = future = Future()
+                    threading.Thread(target=self._fill, args=(spec, future), daemon=True,
+                                     name=f"read-{spec.name}").start()
+
     def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
+        self.prefetch([spec])
+        return self._reads[spec.name].result()
+
+    def _fill(self, spec: topics.TopicSpec, future: Future) -> None:
+        try:
+            future.set_result(self._read_topic(spec))
+        except BaseException as exc:  # raised again by ``messages``, in the caller's thread
+            future.set_exception(exc)
+
+    def _read_topic(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
         partitions = Admin(self.cfg.broker).partitions(spec)
         reader: RecordConsumer = RecordConsumer(self.cfg.broker, spec, f"{self.cfg.broker.topic_prefix}replay-{time.time()}")
         try:

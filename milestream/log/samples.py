@@ -29,6 +29,7 @@ def logged_samples(source: LogSource, wanted: set[str] | None = None) -> dict[st
         return {}
     # only the topics the manifests point at: no routing read for a dense model, no teacher's without distill
     pointed = {spec for rows in manifests.values() for row in rows for spec, *_ in record_positions(row)}
+    source.prefetch(pointed)
     records: dict[tuple[str, int, int], list[Record]] = {
         (spec.name, m.partition, m.offset): m.records for spec in pointed for m in source.messages(spec)}
 

@@ -98,14 +98,18 @@ class TopicFeed:
         return out
 
     def drain(self, idle_s: float = 2.0, max_wait_s: float = 60.0) -> list[Observed]:
-        """Everything until no topic has delivered for ``idle_s`` (tansu's end offsets are unreliable)."""
+        """Everything up to the end offsets the broker reports at the call, then until no topic has delivered
+        for ``idle_s``. Quiet alone is no end: a feed started a moment ago has fetched nothing yet."""
+        ends = [(consumer, consumer.ends()) for consumer in self.consumers]
         out: list[Observed] = []
-        started = last = time.monotonic()
-        while time.monotonic() - last < idle_s and time.monotonic() - started < max_wait_s:
+        started = quiet = time.monotonic()
+        while time.monotonic() - started < max_wait_s:
             got = self.poll(0.2)
             if got:
                 out.extend(got)
-                last = time.monotonic()
+                quiet = time.monotonic()
+            elif time.monotonic() - quiet >= idle_s and all(c.reached(e) for c, e in ends):
+                break
         return out
 
     def close(self) -> None:

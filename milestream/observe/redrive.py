@@ -73,6 +73,7 @@ def _count(outcomes: dict[str, str]) -> dict[str, int]:
 
 def _in_time_order(source: LogSource, sources: tuple[topics.TopicSpec, ...]) -> list[LoggedMessage]:
     """Versions and rollout records merged by broker timestamp; each partition stays in offset order."""
+    source.prefetch((topics.WEIGHT_VERSIONS, *sources))
     streams = [[m for m in source.messages(spec) if m.partition == p]
                for spec in (topics.WEIGHT_VERSIONS, *sources)
                for p in sorted({m.partition for m in source.messages(spec)})]

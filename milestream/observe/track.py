@@ -261,6 +261,7 @@ def resume_from(trackers: list[Tracker]) -> Offsets:
 def open_trackers(cfg: Config, writers: list[str]) -> list[Tracker]:
     """One tracker per writer, each at its saved position (under RUN_DIR/tracking)."""
     check_writers(cfg)
+    hold("tracker.opening")
     return [make_tracker(cfg, writer) for writer in writers]
 
 

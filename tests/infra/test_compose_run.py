@@ -211,6 +211,7 @@ def test_the_compose_services_train_with_every_rollout_worker(live_services, tmp
 
         cfg = cluster.config("trainer")
         source = BrokerSource(cfg, idle_s=1.0)  # every service has stopped
+        source.prefetch((topics.TRAJECTORIES, topics.WEIGHT_VERSIONS, topics.DEADLETTER))
         audit = audit_run(cfg.run.run_dir, source)  # a cluster's log is the brokers', not an archive
         assert audit.exact, audit
         assert audit.steps == audit.step_records == STEPS

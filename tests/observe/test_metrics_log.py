@@ -7,7 +7,7 @@ import time
 
 from metrics_records import METRICS_RECORDS, STEPS, publish_run
 
-from milestream.observe.feed import TopicFeed
+from milestream.observe.feed import FEED_TOPICS, TopicFeed
 from milestream.observe.jsonl import JsonlWriter
 from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
@@ -48,3 +48,18 @@ def test_one_line_per_record_resumed_once(cfg, tmp_path):
     again = [json.loads(line) for line in path.read_text().splitlines()]
     assert again[:-1] == lines
     assert (again[-1]["offset"], again[-1]["step"], again[-1]["version"]) == (METRICS_RECORDS + 1, STEPS + 1, None)
+
+
+def test_a_feed_told_to_stop_as_it_starts_still_reads_to_the_end(cfg, tmp_path):
+    """A stage stopped while it was starting (the tracker restarted just before the run ended) drains a feed
+    that has fetched nothing yet: quiet is no end, the end offsets the broker reports are. With no quiet wait
+    at all, every record is still read."""
+    publish_run(cfg)
+    feed = TopicFeed(cfg, "drain-test", specs=FEED_TOPICS)
+    try:
+        drained = feed.drain(idle_s=0.0)
+    finally:
+        feed.close()
+    trainer = [item.record.step for item in drained if item.spec is topics.METRICS and item.record.source == "trainer"]
+    assert trainer == [1, 2, 2, 3, 4]
+    assert sum(item.spec is topics.WEIGHTS_APPLIED for item in drained) == 3

@@ -127,3 +127,26 @@ def test_wandb_transaction_log_reads_back_across_blocks_and_a_torn_tail(tmp_path
     assert [r["trainer_step"] for r in wandb_rows(cut)] == list(rows)[:len(list(wandb_rows(cut)))]
     assert 0 < len(list(wandb_rows(cut))) < len(rows)
     assert WandbSink("offline", "milestream", None, tmp_path, "blocks", "blocks0", {}).written().step == 8
+
+
+def test_a_tracker_told_to_stop_while_it_starts_writes_every_step(cfg, tmp_path, monkeypatch):
+    """The run ends while its restarted tracker is still opening its stores: the stage stops in order, reading
+    the log to its end (its consumers have fetched nothing yet), and every store holds every step."""
+    cfg = cfg.with_overrides(observe=WRITERS)
+    Path(cfg.run.run_dir).mkdir(parents=True)
+    config, log = tmp_path / "config.yaml", tmp_path / "tracker.log"
+    config.write_text(cfg.to_yaml())
+    publish_run(cfg, bad_value=False)
+    holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("tracker.opening")
+    tracker = start_tracker(config, log)
+    try:
+        held = holds.wait_held("tracker.opening", 120, alive(tracker, log))
+        tracker.terminate()
+        holds.release("tracker.opening", held)
+        tracker.wait(120)
+    finally:
+        terminate(tracker, grace=30)
+    assert tracker.returncode == 0, log.read_text()[-3000:]
+    for store, points in every_store(cfg).items():
+        assert {s: len(v) for s, v in points["trainer/reward_mean"].items()} == {s: 1 for s in range(1, STEPS + 1)}, store

@@ -57,6 +57,7 @@ def test_the_teacher_scores_each_trajectory_dead_letters_the_rest_and_resumes(cf
     score_all(TeacherStage(cfg), 4)  # restarted: from where the first one committed
 
     source = BrokerSource(cfg)
+    source.prefetch((topics.TEACHER_LOGPROBS, topics.DEADLETTER))
     records = {r.trajectory_id: r for m in source.messages(topics.TEACHER_LOGPROBS) for r in m.records}
     assert sum(len(m.records) for m in source.messages(topics.TEACHER_LOGPROBS)) == len(records) == 8
     engine = CpuEngine(teacher_model(cfg), cfg.rollout)

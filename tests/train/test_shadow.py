@@ -27,6 +27,7 @@ def test_a_shadow_trains_on_the_runs_groups_and_leaves_the_run_as_it_was(cfg, tm
 
     assert end_offsets(cfg, UNTOUCHED) == before and buffer_state(cfg) == buffer_before
     source = BrokerSource(cfg)
+    source.prefetch((topics.GROUPS, topics.METRICS))
     emitted = {r.group_id for m in source.messages(topics.GROUPS) for r in m.records}
     steps = [r for m in source.messages(topics.METRICS) for r in m.records if r.source == "shadow/ab"]
     assert [r.step for r in steps] == [1, 2]
