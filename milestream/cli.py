@@ -11,6 +11,7 @@ import threading
 import traceback
 
 from milestream.config import Config, ConfigError, UserError, load_config, run_folder
+from milestream.infra.lifecycle import stop_on_signals
 
 USER_ERROR = 2  # the exit status of a UserError (config.py): what was given or asked for is wrong
 DEBUG_HELP = "on an error in what was given (exit status 2), print its traceback too"
@@ -53,14 +54,6 @@ def _common(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--run-dir", help="the run folder (checkpoints, weights, summary)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-
-
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT: long-running stages finish their loop and close cleanly."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
 
 
 def build_config(args: argparse.Namespace) -> Config:

@@ -56,6 +56,19 @@ def published_by(cfg, worker_id: str) -> set[str]:
         trajectories.close()
 
 
+def split_the_prompts(run_dir: Path, partitions: int) -> bool:
+    """Both workers hold a share of the prompts' partitions (their logs' last assignment): a held worker then
+    blocks no rebalance, which would wait for it for as long as the hold lasts (max.poll.interval.ms)."""
+    def share(log: Path) -> list[str]:
+        lines = [line for line in log.read_text().splitlines() if ".rollout assigned" in line or ".rollout revoked" in line]
+        if not lines or "assigned" not in lines[-1]:
+            return []
+        return [p for p in lines[-1].split("partitions")[-1].strip(" []").split(", ") if p]
+    shares = [share(run_dir / "logs" / f"rollout-{i}.log") for i in range(2)
+              if (run_dir / "logs" / f"rollout-{i}.log").exists()]
+    return len(shares) == 2 and all(0 < len(s) < partitions for s in shares)
+
+
 def test_a_group_delayed_across_versions_is_trained_within_the_bound_and_the_audit_stays_exact(cfg, monkeypatch,
                                                                                              tmp_path):
     # two workers, one group in flight each (4 slots, groups of 4); room for 3 batches of 2, bound 2
@@ -64,11 +77,16 @@ def test_a_group_delayed_across_versions_is_trained_within_the_bound_and_the_aud
                              trainer={"steps": 4}, run={"max_wall_s": 600})
     BufferLedger(cfg).reconcile(Reconciled(credit=cfg.buffer_capacity, queue={}, prompts_admitted=0))  # its size
     holds = Holds.enable(monkeypatch, tmp_path)
+    holds.arm("loader.publishing")  # no prompt before both workers are in the group
     holds.arm("worker.sample_published")  # the first sample on the log: its group's oldest token is version 0
     holds.arm("trainer.published")  # version 1 announced
     runner, outcome = start_run(cfg)
     ledger = BufferLedger(cfg)
     try:
+        loader = holds.wait_held("loader.publishing", 300, running(runner, "the prompt feeder"))
+        wait_for(lambda: split_the_prompts(Path(cfg.run.run_dir), cfg.broker.partitions), 300,
+                 "both workers in the rollout group", runner)
+        holds.release("loader.publishing", loader)
         held_worker = holds.wait_held("worker.sample_published", 300, running(runner, "a worker's first sample"))
         trainer = holds.wait_held("trainer.published", 300, running(runner, "version 1, from the other worker"))
         assert ledger.trainer_version() == 1

@@ -11,8 +11,8 @@ import hmac
 import json
 import logging
 import resource
-import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import hdrs, web
 
 from milestream.config import Config
+from milestream.infra.lifecycle import async_stop
 from milestream.infra.secret_env import ControlToken, control_token
 
 log = logging.getLogger(__name__)
@@ -206,11 +207,7 @@ async def serve_app(app: web.Application, host: str, port: int, *, name: str,
     # newline separately when Python runs unbuffered (PYTHONUNBUFFERED), so their lines could interleave
     sys.stdout.write(f"{name} serving http://{host}:{bound_port}\n")
     sys.stdout.flush()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await async_stop(threading.Event()).wait()
     await runner.cleanup()
     if on_stop is not None:
         await on_stop()

@@ -20,6 +20,7 @@ A held asyncio stage blocks its whole event loop, like SIGSTOP but at a known po
   trainer.checkpoint_written  the checkpoint written to its temporary folder, not yet the latest
   archiver.flushing           the archiver, rows read and due to be written, before their segment (what a
                               broker lost while it holds is lost to the archive too)
+  loader.publishing           the prompt feeder, connected, before it publishes its first prompt
   tracker.opening             the tracker stage, told how to stop, before it opens its stores (seconds of start-up)
   tracker.committing          an experiment tracker that wrote points, made them durable in its store, before
                               it saves its position

@@ -20,6 +20,7 @@ import threading
 from itertools import islice
 
 from milestream.config import Config
+from milestream.infra import faults
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.producers.data import prompt_stream, source_named, sources
 from milestream.schemas import topics
@@ -87,6 +88,7 @@ def feed_prompts(cfg: Config, lookahead: int, stop: threading.Event, poll_s: flo
         dropped.subscribe()
     retried = 0  # retried prompts are admitted too: they count against the look-ahead
     ended = False
+    faults.hold("loader.publishing")
     while not stop.is_set():
         if dropped is not None:
             retried += retry_unused(cfg, dropped, producer)

@@ -22,7 +22,6 @@ import contextlib
 import functools
 import logging
 import queue
-import signal
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from milestream.engines.engine import CpuEngine, Engine, sampling_params
 from milestream.engines.moe_routing import routing_records
 from milestream.infra import faults
 from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
+from milestream.infra.lifecycle import async_stop, stop_on_signals
 from milestream.infra.model import configure_process, load_tokenizer
 from milestream.infra.offsets import HeldOffsets
 from milestream.producers.environments.sandbox import figures as sandbox_figures
@@ -488,16 +488,13 @@ def make_engine(cfg: Config, worker_id: str) -> Engine:
 
 
 def run_worker(cfg: Config, worker_id: str, hook: EngineHook | None = None) -> None:
+    stop = stop_on_signals()
     configure_process(cfg.model)
     engine = make_engine(cfg, worker_id)
     worker = RolloutWorker(cfg, worker_id, engine, load_tokenizer(cfg.model), hook)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await worker.run(stop)
+        await worker.run(async_stop(stop))
         await engine.close()
 
     asyncio.run(main())

@@ -40,13 +40,14 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
 from milestream.config import Config
 from milestream.infra import faults
 from milestream.infra.kafka import KafkaError, Partition, RawMessage, RecordProducer, SourceConsumer, topic_name
+from milestream.infra.lifecycle import stop_on_signals
 from milestream.infra.offsets import HeldOffsets
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
@@ -99,7 +100,7 @@ def app_id(cfg: Config) -> str:
 
 
 class Processor:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop: threading.Event | None = None):
         self.cfg = cfg
         self.sources = {topic_name(cfg.broker, spec): spec for spec in source_topics(cfg.distill.enabled)}
         self.versions_topic = topic_name(cfg.broker, topics.WEIGHT_VERSIONS)
@@ -114,7 +115,7 @@ class Processor:
         self.delivered: list[tuple[Outcome, Position | KafkaError]] = []
         self.started = time.monotonic()
         self.cpu_counted = time.process_time()  # up to what the ledger's log costs hold of this process's CPU
-        self.stopping = False
+        self.stop = stop or threading.Event()  # infra/lifecycle.py
         expire_every = min(10.0, max(0.05, cfg.buffer.incomplete_after_s / 4))  # a group leaves within ~1.25 windows
         self.timers = {self._commit: cfg.buffer.commit_interval_s, self.publish_metrics: cfg.buffer.metrics_interval_s,
                        self._expire: expire_every, self._follow_trainer: 0.5}
@@ -122,7 +123,7 @@ class Processor:
 
     def run(self) -> None:
         """Until ``stopping``; then what is in flight is delivered and settled, and the offsets committed."""
-        while not self.stopping:
+        while not self.stop.is_set():
             self.step(self.consumer.consume(BATCH, 0.05))
         self.producer.flush()
         self._settle_delivered()
@@ -359,13 +360,8 @@ def _oldest(outcome: Outcome) -> int:
 
 def run_processor(cfg: Config) -> None:
     """Run the processor until SIGTERM / SIGINT."""
-    processor = Processor(cfg)
+    stop = stop_on_signals()
+    processor = Processor(cfg, stop)
     processor.ledger.initialise()
-
-    def stop(*_) -> None:
-        processor.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     processor.run()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
+import threading
 import time
 
 import torch
@@ -26,6 +26,7 @@ from milestream.train.collector import GroupCollector
 from milestream.train.learner import CollectedGroup, Learner
 from milestream.infra import faults
 from milestream.infra.kafka import Admin, RecordProducer
+from milestream.infra.lifecycle import stop_on_signals
 from milestream.infra.model import configure_process
 from milestream.schemas import topics
 from milestream.schemas.codec import decode, encode
@@ -36,13 +37,13 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop: threading.Event | None = None):
         configure_process(cfg.model)
         self.cfg = cfg
         self.learner = Learner(cfg)
         self.leader = self.learner.backend.rank == 0
         self.state = self._resume()
-        self.stopping = False
+        self.stop = stop or threading.Event()  # infra/lifecycle.py
         if self.leader:
             self.producer = RecordProducer(cfg.broker, client_id="trainer")
             self.sender = None if cfg.trainer.shadow else weights.make_sender(cfg)  # cfg.weights.transport
@@ -68,11 +69,11 @@ class Trainer:
             exported = self.learner.export_weights()  # collective: every rank
             if self.leader:
                 self.announce(0, 0, exported)
-        while self.state.step < self.cfg.trainer.steps and not self.stopping:
+        while self.state.step < self.cfg.trainer.steps and not self.stop.is_set():
             started = time.monotonic()
             batch = self.collect()
             if batch is None:  # the leader is stopping: so is every rank, in step
-                self.stopping = True
+                self.stop.set()
                 break
             collect_s = time.monotonic() - started  # waiting for rollout: the trainer's idle time
             faults.hold("trainer.collected")
@@ -89,7 +90,7 @@ class Trainer:
                 faults.hold("trainer.published")
             if self.state.step % self.cfg.trainer.checkpoint_every == 0 or self.state.step == self.cfg.trainer.steps:
                 self.save()
-        if self.stopping and self.state.step % self.cfg.trainer.checkpoint_every:
+        if self.stop.is_set() and self.state.step % self.cfg.trainer.checkpoint_every:
             self.save()
         if self.leader:
             self.producer.flush()
@@ -109,7 +110,7 @@ class Trainer:
         """The next batch (None: stop), read by the leader and broadcast to every other rank."""
         batch = None
         if self.leader:
-            taken = self.collector.take(self.cfg.trainer.batch_groups, self.state.version, lambda: self.stopping)
+            taken = self.collector.take(self.cfg.trainer.batch_groups, self.state.version, self.stop.is_set)
             if taken is not None:
                 batch = [CollectedGroup(group.group_id, group.samples, lag) for group, lag in taken]
         if self.learner.backend.world_size > 1:
@@ -163,11 +164,4 @@ def broadcast_batch(batch: list[CollectedGroup] | None, leader: bool) -> list[Co
 
 
 def run_trainer(cfg: Config) -> None:
-    trainer = Trainer(cfg)
-
-    def stop(*_):
-        trainer.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    trainer.run()
+    Trainer(cfg, stop_on_signals()).run()
