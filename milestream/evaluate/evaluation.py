@@ -366,7 +366,8 @@ def _check_result(cfg: Config, records: list[EvalResult], position: Position) ->
 def read_all(cfg: Config, consumer: RecordConsumer) -> list:
     consumer.assign(partitions=[0])
     try:
-        return [record for delivery in consumer.drain(idle_s=1.0, max_wait_s=30.0) for record in delivery.records]
+        # the stages have stopped: read to the end offsets, then only what the last fetch brought with them
+        return [record for delivery in consumer.drain(idle_s=0.2, max_wait_s=30.0) for record in delivery.records]
     finally:
         consumer.close()
 
