@@ -114,7 +114,7 @@ def test_whole_loop(loop_cfg):
 
 def test_a_run_stopped_by_its_wall_budget_evaluates_the_version_it_ends_on(cfg, capsys):
     # no version is due but the initial one: the one the run ends on is evaluated when the stages have stopped
-    cfg = cfg.with_overrides(trainer={"steps": 10_000}, run={"max_wall_s": 60},
+    cfg = cfg.with_overrides(trainer={"steps": 10_000}, run={"max_wall_s": 35},
                              eval={"mode": "shared", "every_versions": 10_000})
     summary = run_showing_logs(cfg)
     assert summary["stopped_by"] == "wall_budget"
