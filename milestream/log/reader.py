@@ -13,15 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 from milestream.config import Config, UserError
-from milestream.infra.kafka import Admin, RecordConsumer, end_offset
+from milestream.infra.kafka import Admin, RecordConsumer
 from milestream.log.archive import load_manifest, read_topic
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, decode_table
@@ -148,32 +147,24 @@ class BrokerSource:
                  on_bad: OnBadRecord = raise_bad_record):
         self.cfg, self.idle_s, self.max_wait_s, self.on_bad = cfg, idle_s, max_wait_s, on_bad
         self._reads: dict[str, Future[list[LoggedMessage[Record]]]] = {}
-        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(len(topics.CATALOGUE), thread_name_prefix="read")
 
     def prefetch(self, specs: Iterable[topics.TopicSpec]) -> None:
-        with self._lock:
-            for spec in specs:
-                if spec.name not in self._reads:
-                    self._reads[spec.name] = future = Future()
-                    threading.Thread(target=self._fill, args=(spec, future), daemon=True,
-                                     name=f"read-{spec.name}").start()
+        for spec in specs:
+            if spec.name not in self._reads:
+                self._reads[spec.name] = self._pool.submit(self._read_topic, spec)
 
     def messages(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
+        """A read's error is raised here, in the caller's thread."""
         self.prefetch([spec])
         return self._reads[spec.name].result()
-
-    def _fill(self, spec: topics.TopicSpec, future: Future) -> None:
-        try:
-            future.set_result(self._read_topic(spec))
-        except BaseException as exc:  # raised again by ``messages``, in the caller's thread
-            future.set_exception(exc)
 
     def _read_topic(self, spec: topics.TopicSpec) -> list[LoggedMessage[Record]]:
         partitions = Admin(self.cfg.broker).partitions(spec)
         reader: RecordConsumer = RecordConsumer(self.cfg.broker, spec, f"{self.cfg.broker.topic_prefix}replay-{time.time()}")
         try:
             reader.assign(partitions=partitions)
-            return self._read(reader, spec, {p: end_offset(reader, p) for p in partitions})
+            return self._read(reader, spec, reader.ends())
         finally:
             reader.close()
 
@@ -185,23 +176,20 @@ class BrokerSource:
     def _read(self, reader: RecordConsumer, spec: topics.TopicSpec,
               ends: dict[int, int]) -> list[LoggedMessage[Record]]:
         out: list[LoggedMessage[Record]] = []
-        reached = dict.fromkeys(ends, 0)
         deadline = time.monotonic() + self.max_wait_s
         while True:
-            behind = {p: (reached[p], end) for p, end in ends.items() if reached[p] < end}
+            behind = not reader.reached(ends)
             try:
                 delivery = reader.poll(0.5 if behind else self.idle_s)
             except RecordError as exc:  # read all the same: it counts towards its partition's end
                 self.on_bad(exc)
-                reached[exc.position.partition] = max(reached[exc.position.partition], exc.position.offset + 1)
                 continue
             if delivery is not None:
                 position = delivery.position
                 out.append(LoggedMessage(spec.name, position.partition, position.offset, round(delivery.ts * 1000),
                                          delivery.key, delivery.records))
-                reached[position.partition] = max(reached[position.partition], position.offset + 1)
             elif not behind:
                 return sorted(out, key=lambda m: (m.partition, m.offset))
             elif time.monotonic() > deadline:
-                raise TimeoutError(f"{spec.name}: partitions (read up to, end offset) {behind} not read to their "
-                                   f"end offsets within {self.max_wait_s:.0f} s")
+                raise TimeoutError(f"{spec.name}: partitions not read to their end offsets {ends} within "
+                                   f"{self.max_wait_s:.0f} s")
