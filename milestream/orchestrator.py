@@ -57,6 +57,14 @@ from milestream.streams.ledger import BufferLedger
 log = logging.getLogger(__name__)
 
 
+# How long a stage may take to stop. After a lost service it may not wait on it: a flush or a commit to a
+# broker that is gone only times out (30 s), and every stage's state is safe from SIGKILL at any point
+# (docs/exactly-once.md). The archiver writes to local disk, so it keeps its grace and saves what it read.
+STOP_GRACE_S = 20.0
+TRAINER_STOP_GRACE_S = 120.0  # time to finish its step
+SERVICE_LOST_GRACE_S = 2.0
+
+
 class Child:
     """A stage running as ``python -m milestream.cli COMMAND --config run_dir/config.yaml``, with the
     configuration's secrets (which that file never holds) in its environment ``env``."""
@@ -73,12 +81,12 @@ class Child:
         """Start (again): every life appends to the stage's one log."""
         self.lives += 1
         with open(self.log_path, "a") as out:
-            out.write(f"==== life {self.lives}\n")
+            out.write(f"==== life {self.lives} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             out.flush()
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env, preexec_fn=die_with_parent)
 
-    def stop(self, grace: float = 20.0) -> None:
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
         terminate(self.proc, grace)
 
     def tail(self, lines: int = 30) -> str:
@@ -257,10 +265,14 @@ def print_evaluations(results: list[EvalResult], printed: set[tuple[str, int, fl
         print(f"eval v{r.version} (step {r.step}, lag {r.lag_steps}): {r.name} {outcome}", flush=True)
 
 
-def stop_stages(children: list[Child], trainer: Child, keep: tuple[str, ...] = ()) -> None:
+def stop_stages(children: list[Child], trainer: Child, keep: tuple[str, ...] = (), service_lost: bool = False) -> None:
     """Every stage but those named in ``keep``: all told at once, so stopping takes the longest grace rather than
-    their sum (the trainer is given the time to finish its step); the archiver last, keeping what the others
-    wrote while they stopped."""
+    their sum; the archiver last, keeping what the others wrote while they stopped."""
+    def grace(child: Child) -> float:
+        if service_lost and child.name != "archiver":
+            return SERVICE_LOST_GRACE_S
+        return TRAINER_STOP_GRACE_S if child is trainer else STOP_GRACE_S
+
     stopping = [child for child in children if child.name not in keep]
     for wave in ([c for c in stopping if c.name != "archiver"], [c for c in stopping if c.name == "archiver"]):
         for child in wave:
@@ -268,7 +280,7 @@ def stop_stages(children: list[Child], trainer: Child, keep: tuple[str, ...] = (
                 child.proc.terminate()
         told = time.monotonic()
         for child in wave:
-            wait_or_kill(child.proc, (120.0 if child is trainer else 20.0) - (time.monotonic() - told))
+            wait_or_kill(child.proc, grace(child) - (time.monotonic() - told))
 
 
 def evaluate_run_end(cfg: Config, printed_evals: set[tuple[str, int, float]]) -> list[EvalResult]:
@@ -384,6 +396,7 @@ def run_loop(cfg: Config) -> dict:
         while True:
             children, trainer = start_stages(live.cfg, config_path, log_dir)
             monitor = Monitor(live.cfg, printed, printed_evals, started)
+            service_lost = False
             try:
                 stopped_by = follow(live.cfg, live, children, trainer, monitor)
                 # the archiver and the trackers keep the last evaluation too
@@ -394,9 +407,10 @@ def run_loop(cfg: Config) -> dict:
                 if live.broker_lost() and not cfg.run.archive:
                     raise RuntimeError(f"{lost}, and run.archive is off: nothing to resume from") from None
                 print(f"{lost}: stopping the stages, starting it again and putting back what it held", flush=True)
+                service_lost = True
             finally:
                 monitor.close()
-                stop_stages(children, trainer)
+                stop_stages(children, trainer, service_lost=service_lost)
             recover(live, run_dir)
         buffer = BufferLedger(live.cfg).balance()
         summary = write_report(run_dir, monitor.lineage, time.monotonic() - started, stopped_by=stopped_by,

@@ -354,9 +354,14 @@ class RawConsumer:
     """Reads assigned partitions as they are, without decoding; commits nothing (its caller keeps positions)."""
 
     def __init__(self, cfg: BrokerConfig, group_id: str, **extra: str):
+        self.brokers_down = False  # the client's last word: no broker reachable (until a message comes again)
         self.consumer = Consumer(client_config(cfg, **{
             "group.id": group_id, "enable.auto.commit": "false", "fetch.message.max.bytes": str(cfg.max_message_bytes),
-            "fetch.wait.max.ms": str(cfg.fetch_wait_ms), **extra}))
+            "fetch.wait.max.ms": str(cfg.fetch_wait_ms), "error_cb": self._on_error, **extra}))
+
+    def _on_error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.brokers_down = True
 
     def assign(self, starts: dict[tuple[str, int], int | None]) -> "RawConsumer":
         """Read each (full topic, partition) from its next offset (the beginning where it is None)."""
@@ -366,7 +371,9 @@ class RawConsumer:
 
     def consume(self, timeout: float, limit: int = 1000) -> list[RawMessage]:
         """Up to ``limit`` messages: those waiting, or the first to arrive within ``timeout`` and any behind it."""
-        return _raw_batch(self.consumer, limit, timeout)
+        batch = _raw_batch(self.consumer, limit, timeout)
+        self.brokers_down = self.brokers_down and not batch
+        return batch
 
     def close(self) -> None:
         self.consumer.close()

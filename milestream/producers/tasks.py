@@ -11,13 +11,13 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import reasoning_gym
-from reasoning_gym.dataset import ProceduralDataset
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from milestream.config import DataConfig
+
+if TYPE_CHECKING:  # the loader publishes prompts without a tokenizer; a local-file task needs no reasoning-gym
+    from reasoning_gym.dataset import ProceduralDataset
+    from transformers import PreTrainedTokenizerBase
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -85,6 +85,8 @@ def _options_key(data_cfg: DataConfig) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _dataset(task: str, options_json: str, size: int, seed: int) -> ProceduralDataset:
+    import reasoning_gym
+
     return reasoning_gym.create_dataset(task, size=size, seed=seed, **json.loads(options_json))
 
 

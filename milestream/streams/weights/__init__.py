@@ -12,7 +12,17 @@ from milestream.streams.versions import check_applied, check_version, version_ch
 from milestream.streams.weights.base import (NO_BASE, WeightReceiver, WeightSender, WeightVerificationError,
                                              acknowledge, checksum, checksums, make_receiver, make_sender,
                                              weights_dir)
-from milestream.streams.weights.disk import load_version, publish_version
+
+
+def __getattr__(name: str):
+    """disk.py's functions, imported when first asked for: disk.py brings torch and safetensors, which the
+    verifier and the processor, reading versions, do without."""
+    if name in ("load_version", "publish_version"):
+        from milestream.streams.weights import disk
+
+        return getattr(disk, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["NO_BASE", "WeightReceiver", "WeightSender", "WeightVerificationError", "acknowledge", "check_applied",
            "check_version", "checksum", "checksums", "load_version", "make_receiver", "make_sender", "publish_version",

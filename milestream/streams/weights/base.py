@@ -11,17 +11,18 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
-import torch
 import xxhash
-from torch import Tensor
 
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
 from milestream.schemas.records import WeightApplied, WeightVersion
 from milestream.streams.versions import NO_BASE, weights_dir  # noqa: F401 - where the transports find them
+
+if TYPE_CHECKING:  # the verifier and the processor read versions without torch
+    from torch import Tensor
 
 # name -> import path of (sender class, receiver class); imported only when chosen, so a transport's
 # dependencies (torch.distributed groups, ucxx) cost nothing to the others
@@ -90,6 +91,8 @@ def _transport(cfg: Config) -> tuple[str, str]:
 
 def checksum(tensor: Tensor) -> str:
     """xxh64 of the tensor's raw bytes (dtype and layout as stored, so a cast is a mismatch)."""
+    import torch
+
     raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return xxhash.xxh64(memoryview(raw)).hexdigest()
 

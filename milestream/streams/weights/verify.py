@@ -19,10 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Mapping
-
-import torch
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, Mapping
 
 from milestream.config import Config
 from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
@@ -32,6 +29,9 @@ from milestream.schemas.records import Metrics, WeightApplied, WeightVersion
 from milestream.streams.ledger import BufferLedger
 from milestream.streams.versions import check_applied, version_check
 from milestream.streams.weights.base import WeightVerificationError, checksum, checksum_mismatches
+
+if TYPE_CHECKING:  # the verifier stage runs without torch; the noise check runs in engines, which have it
+    from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class NoiseCheck:
 
     def fill(self) -> None:
         """Call while the engine is paused (or before it generates): parameters change in place."""
+        import torch
+
         from milestream.infra.model import trainable_state_dict  # transformers: engines have it loaded already
 
         generator = torch.Generator().manual_seed(self.seed)
