@@ -20,6 +20,23 @@ from milestream.streams.ledger import BufferLedger
 
 _namespaces = itertools.count()
 
+# The files that take longest in a whole run (`--durations`), longest first. scripts/test hands files to its
+# pytest-xdist workers in collection order (--no-loadscope-reorder; xdist's own order puts files with many
+# tests first), so each worker starts on a long file and the short ones fill in at the end, rather than one
+# worker finishing alone on a long file. test_vllm.py is not first: .venv-vllm may still be installing then.
+LONGEST_FIRST = (
+    "test_supervision.py", "log/test_archive.py", "test_distill_loop.py", "test_schedules.py",
+    "engines/test_vllm.py", "train/test_backends.py", "test_loop.py", "test_elastic.py", "test_failures.py",
+    "test_trackers_loop.py", "engines/test_true_on_policy.py", "streams/test_processor_restart.py",
+    "test_async_pays.py", "engines/test_families.py", "observe/test_mismatch.py", "evaluate/test_evaluation.py",
+    "test_backpressure.py", "log/test_fork.py", "infra/test_compose_run.py", "observe/test_live_page.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {f"tests/{name}": place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def live_services() -> Iterator[Config]:
