@@ -3,15 +3,20 @@
 ``milestream run`` runs as its own process, with its own embedded broker and Redis. Once it has made
 ``--warmup-steps`` steps, a killer waits a random ``--min-wait-s`` .. ``--max-wait-s`` seconds, and a
 trainer step past the furthest one made before its last kill (so the run keeps making progress,
-whatever it had to restart and redo), then picks a target uniformly among those alive at that moment (a rollout worker, the
-processor, the trainer, the archiver, the prompt feeder, the verifier, the metrics stage, an
-evaluator, the embedded broker, the embedded Redis) and SIGKILLs it; none once the run is within
+whatever it had to restart and redo), then picks a target at random among those alive at that moment and
+SIGKILLs it: any stage ``milestream run`` started (a rollout worker, the processor, the trainer, the
+archiver, the prompt feeder, the verifier, the metrics stage, the evaluator, the tracker; the teacher and
+a vLLM server in runs that have them), the embedded broker or the embedded Redis. Targets are hit in
+rounds: a target is picked among those not yet hit in the round, and a new round starts once every live
+target was hit, so 30 kills reach every target at least twice. None once the run is within
 ``--quiet-steps`` of its last step, so its end (summary, ledger balance) is left alone. The run gets
-``run.max_restarts`` = kills + 2 and ``run.max_wall_s`` = 3600 (``--set`` wins over both). It
+``run.max_restarts`` = kills + 2 and ``run.max_wall_s`` = 3600, and starts the optional stages a default run
+lacks (``eval.mode=dedicated``, ``observe.tensorboard=true``), so they are killed too (``--set`` wins over all). It
 supervises its stages and brings its services back (milestream/orchestrator.py). At the end the run is
 audited from its archived log and its last checkpoint (log/audit.py), and one JSON line is printed:
 
-  kills, kills_total    SIGKILLs that hit a live process, by target; kill_log: [seconds into the run, target]
+  kills, kills_total    SIGKILLs that hit a live process, by target; kill_log: [seconds into the run, target];
+                        never_killed: targets seen alive but never hit
   run_exit, run_error   the exit status of ``milestream run``, and its last lines when not 0
   steps                 trainer steps in the run's lineage (of ``steps_planned``); missing_steps, steps_redone
   groups_lost           groups on buffer.groups neither trained, dropped, nor waiting in the buffer
@@ -35,7 +40,7 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
   max_gap_after_rollout_kill_s  the longest interval between two consecutive trainer step records (a
                         redone step counts: it is work done) that overlaps [kill, kill + --window-s] of a
                         rollout-worker kill (max_gap_after_kill_s:
-                        the same for every target)
+                        the same for every target; gap_max_s: the longest of them, after a kill of gap_max_after)
   rollout_kill_gaps     per rollout-worker kill: its longest gap, and what else was killed near it
   baseline_median_gap_s the median interval between two steps with no kill of anything within that
                         window, in the same run; gap_ratio = max_gap_after_rollout_kill_s / it
@@ -96,7 +101,8 @@ def parse_args() -> argparse.Namespace:
 
 def run_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The benchmark's settings first, the command line's ``--set`` last (they win)."""
-    base = [f"run.run_dir={run_dir}", f"run.max_restarts={args.kills + 2}", "run.max_wall_s=3600"]
+    base = [f"run.run_dir={run_dir}", f"run.max_restarts={args.kills + 2}", "run.max_wall_s=3600",
+            "eval.mode=dedicated", "observe.tensorboard=true"]
     base += TINY if args.tiny else []
     base += [f"trainer.steps={args.steps}"] if args.steps else []
     return base + args.overrides
@@ -166,10 +172,14 @@ class Run:
                 self.proc.kill()
 
 
-def kill_at_random(args: argparse.Namespace, run: Run, planned: int, rng: random.Random) -> list[tuple[float, str]]:
-    """SIGKILL ``args.kills`` random targets (see the module docstring); returns (time, target) of each hit."""
+def kill_at_random(args: argparse.Namespace, run: Run, planned: int,
+                   rng: random.Random) -> tuple[list[tuple[float, str]], set[str]]:
+    """SIGKILL ``args.kills`` random targets (see the module docstring); returns (time, target) of each hit,
+    and every target seen alive when one was picked."""
     allowed = set(args.targets.split(","))
     kills: list[tuple[float, str]] = []
+    hit_this_round: set[str] = set()
+    seen: set[str] = set()
     reached = args.warmup_steps - 1  # the furthest step when the last kill came
 
     def progressed() -> bool:  # a step past that one, made after the kill (redone steps do not count)
@@ -183,11 +193,15 @@ def kill_at_random(args: argparse.Namespace, run: Run, planned: int, rng: random
         alive = {name: ids for name, ids in targets(run.config_path).items() if name in allowed}
         if not alive:
             continue
-        name = rng.choice(sorted(alive))
+        seen |= alive.keys()
+        if not alive.keys() - hit_this_round:
+            hit_this_round.clear()
+        name = rng.choice(sorted(alive.keys() - hit_this_round))
         if sigkill(rng.choice(alive[name])):
             kills.append((time.time(), name))
+            hit_this_round.add(name)
             print(f"kill {len(kills)}: {name} after step {reached}", file=sys.stderr, flush=True)
-    return kills
+    return kills, seen
 
 
 def step_gaps(step_ts: list[float], kills: list[tuple[float, str]], window_s: float, stalled_at: float | None) -> dict:
@@ -207,7 +221,9 @@ def step_gaps(step_ts: list[float], kills: list[tuple[float, str]], window_s: fl
     quiet = [b - a for a, b in intervals if not after((a, b), [t for t, _ in kills])]
     baseline = statistics.median(quiet) if quiet else None
     rollout = longest.get("rollout")
-    return {"max_gap_after_rollout_kill_s": rollout, "max_gap_after_kill_s": longest,
+    worst = max(longest, key=longest.__getitem__, default=None)
+    return {"gap_max_s": longest.get(worst), "gap_max_after": worst,
+            "max_gap_after_rollout_kill_s": rollout, "max_gap_after_kill_s": longest,
             "rollout_kill_gaps": rollout_kill_gaps(intervals, kills, window_s),
             "baseline_median_gap_s": round(baseline, 2) if baseline else None, "baseline_intervals": len(quiet),
             "gap_ratio": round(rollout / baseline, 2) if rollout and baseline else None}
@@ -290,13 +306,14 @@ def chaos_run(args: argparse.Namespace, run_dir: Path) -> dict:
     started = time.monotonic()
     run = Run(overrides, run_dir, args.stall_s)
     try:
-        kills = kill_at_random(args, run, cfg.trainer.steps, random.Random(args.seed))
+        kills, seen = kill_at_random(args, run, cfg.trainer.steps, random.Random(args.seed))
     finally:
         code, stall = run.finish(hang_guard_s=cfg.run.max_wall_s + 900)  # the run has its own budget
     stalled_at = stall.pop("at") if stall else None
     summary_path = run_dir / "summary.json"
     buffer = json.loads(summary_path.read_text()).get("buffer") if summary_path.exists() else None
     result = {"kills": dict(collections.Counter(name for _, name in kills)), "kills_total": len(kills),
+              "never_killed": sorted(seen - {name for _, name in kills}),
               "kill_log": [[round(t - run.started, 1), name] for t, name in kills],
               "run_exit": code, "stalled": stall, "steps_planned": cfg.trainer.steps,
               "wall_s": round(time.monotonic() - started, 1)}

@@ -14,7 +14,8 @@ from milestream.config import Config, load_config
 
 # what benchmarks/chaos.py can kill: a stage by its command, and the two embedded services
 STAGES = {"rollout": "rollout", "processor": "process", "trainer": "train", "archiver": "archive",
-          "loader": "load-prompts", "verifier": "verify-weights", "metrics": "metrics", "evaluator": "eval"}
+          "loader": "load-prompts", "verifier": "verify-weights", "metrics": "metrics", "evaluator": "eval",
+          "tracker": "track", "teacher": "teacher", "vllm": "serve-vllm"}
 SERVICES = ("broker", "redis")
 
 

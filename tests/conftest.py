@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +35,8 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if gone := [name for name in LONGEST_FIRST if not (Path(__file__).parent / name).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that are not there: {gone}")
     rank = {f"tests/{name}": place for place, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 

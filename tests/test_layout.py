@@ -80,9 +80,3 @@ def test_benchmarks_and_the_testkit_run_without_path_tricks():
     assert importers(paths, root, "tests") == [] and path_edits == []
     assert importers(sources(), PACKAGE, "milestream_testkit") == []  # no test helpers inside the package
 
-
-def test_the_files_scheduled_first_exist():
-    from conftest import LONGEST_FIRST
-
-    tests = Path(__file__).parent
-    assert [name for name in LONGEST_FIRST if not (tests / name).is_file()] == []
