@@ -8,7 +8,7 @@ SIGKILLs it: any stage ``milestream run`` started (a rollout worker, the process
 archiver, the prompt feeder, the verifier, the metrics stage, the evaluator, the tracker; the teacher and
 a vLLM server in runs that have them), the embedded broker or the embedded Redis. Targets are hit in
 rounds: a target is picked among those not yet hit in the round, and a new round starts once every live
-target was hit, so 30 kills reach every target at least twice. None once the run is within
+target was hit, so 30 kills reach each of the default run's 11 targets at least twice. None once the run is within
 ``--quiet-steps`` of its last step, so its end (summary, ledger balance) is left alone. The run gets
 ``run.max_restarts`` = kills + 2 and ``run.max_wall_s`` = 3600, and starts the optional stages a default run
 lacks (``eval.mode=dedicated``, ``observe.tensorboard=true``), so they are killed too (``--set`` wins over all). It

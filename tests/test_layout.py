@@ -79,4 +79,3 @@ def test_benchmarks_and_the_testkit_run_without_path_tricks():
                   if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys"]
     assert importers(paths, root, "tests") == [] and path_edits == []
     assert importers(sources(), PACKAGE, "milestream_testkit") == []  # no test helpers inside the package
-
