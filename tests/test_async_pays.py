@@ -71,8 +71,12 @@ def split_the_prompts(run_dir: Path, partitions: int) -> bool:
 
 def test_a_group_delayed_across_versions_is_trained_within_the_bound_and_the_audit_stays_exact(cfg, monkeypatch,
                                                                                              tmp_path):
-    # two workers, one group in flight each (4 slots, groups of 4); room for 3 batches of 2, bound 2
-    cfg = cfg.with_overrides(rollout={"num_workers": 2, "max_inflight_samples": 4},
+    # two workers, one group in flight each (4 slots, groups of 4); room for 3 batches of 2, bound 2. Group
+    # refill: a group keeps its slots until its last sample is published, so the held worker holds two credits
+    # at most (its group's and the next one's). With sample refill its samples free their slots while they
+    # are scored, it admits more groups before the first is published, and their credit could leave the other
+    # worker's next group stale by the projection (behind) until the hold ends
+    cfg = cfg.with_overrides(rollout={"num_workers": 2, "max_inflight_samples": 4, "refill": "group"},
                              buffer={"capacity_factor": 3.0, "max_staleness": 2},
                              trainer={"steps": 4}, run={"max_wall_s": 600})
     BufferLedger(cfg).reconcile(Reconciled(credit=cfg.buffer_capacity, queue={}, prompts_admitted=0))  # its size

@@ -106,6 +106,7 @@ class PromptReader:
         self.stopped = threading.Event()
         self._lock = threading.Lock()
         self._to_commit: dict[int, int] = {}
+        self.taken = 0  # prompts read so far
         self.thread = threading.Thread(target=self._read, name="prompt-reader", daemon=True)
         self.thread.start()
 
@@ -116,6 +117,7 @@ class PromptReader:
                 self.consumer.keep_place(0.2)
             elif (delivery := self.consumer.poll(0.2)) is not None:
                 self.ready.put(delivery)
+                self.taken += 1
 
     def _send_commit(self) -> None:
         """Sent, not waited for: one that never lands costs a redo of prompts whose groups are complete,
@@ -193,6 +195,7 @@ class RolloutWorker:
         self.log_write_s = 0.0  # encoding and producing records, not yet added to the ledger's log costs
         self.errors = ErrorWindow(cfg.rollout.max_errors, cfg.rollout.error_window_s)
         self.gave_up = ""  # why the worker stopped itself, if it did
+        self.waiting_on = "the first weight version"  # what admission waits for now: a stalled worker's log says
         self._stop = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -235,6 +238,7 @@ class RolloutWorker:
         size = self.cfg.rollout.group_size
         while True:
             group = await self._next_group()
+            self.waiting_on = "free slots"
             if self.group_refill:  # the group holds all its slots from start to end
                 for _ in range(size):
                     await self.slots.acquire()
@@ -246,6 +250,8 @@ class RolloutWorker:
         """The next prompt, admitted with its credit; a prompt whose group the processor already has (a redo
         after a crash) is passed over."""
         while True:
+            self.waiting_on = (f"a prompt ({self.prompts.taken} read so far; it holds partitions "
+                               f"{sorted(self.prompts.consumer.owned)} of prompts)")
             delivery = await self.prompts.next()
             prompt, position = delivery.records[0], delivery.position
             self.offsets.started(position.partition, position.offset)
@@ -271,6 +277,7 @@ class RolloutWorker:
             if admission not in (NO_CREDIT, BEHIND):
                 return admission
             started = time.monotonic()
+            self.waiting_on = f"{admission} for group {group_id} (engine at version {version})"
             if admission == NO_CREDIT:
                 await asyncio.sleep(0.1)
                 self.stalled_s += time.monotonic() - started
@@ -450,11 +457,21 @@ class RolloutWorker:
         await self.hook.after_version(self.engine, record.version, record.step)
         return True
 
-    async def _report(self, stop: asyncio.Event, interval_s: float = 5.0) -> None:
-        started = time.monotonic()
+    async def _report(self, stop: asyncio.Event, interval_s: float = 5.0, quiet_s: float = 30.0) -> None:
+        """The worker's figures on ``metrics`` every ``interval_s``; in its log, what it waits for once it has
+        published no sample for ``quiet_s`` (a stalled run's first question: is it credit, a prompt, a version?)."""
+        started = last_sample_at = time.monotonic()
+        last_samples = 0
         while not stop.is_set():
             await asyncio.sleep(interval_s)
-            elapsed = time.monotonic() - started
+            now = time.monotonic()
+            elapsed = now - started
+            if self.samples_done != last_samples:
+                last_samples, last_sample_at = self.samples_done, now
+            elif now - last_sample_at >= quiet_s:
+                log.info("worker %s: no sample for %.0f s, %d groups in flight; admission waits for %s",
+                         self.worker_id, now - last_sample_at, len(self.tasks), self.waiting_on)
+                last_sample_at = now
             values = {"samples": float(self.samples_done), "samples_per_s": self.samples_done / elapsed,
                       "inflight": float(len(self.tasks)), "stalled_s": self.stalled_s,
                       "behind_s": self.behind_s,

@@ -42,8 +42,11 @@ SMALL = {
     "MILESTREAM__MODEL__DTYPE": "float32",
     "MILESTREAM__ROLLOUT__GROUP_SIZE": "4",
     "MILESTREAM__ROLLOUT__MAX_NEW_TOKENS": "6",
-    # one group's samples in flight: a worker holds at most two credits (that group's and the next one's)
+    # one group in flight, holding its slots until its last sample is published (group refill): a worker holds
+    # at most two credits (that group's and the next one's). Sample refill frees a slot while the sample is
+    # scored: a worker held at its first sample could have taken every credit before it was published
     "MILESTREAM__ROLLOUT__MAX_INFLIGHT_SAMPLES": "4",
+    "MILESTREAM__ROLLOUT__REFILL": "group",
     "MILESTREAM__TRAINER__BATCH_GROUPS": "2",
     "MILESTREAM__TRAINER__STEPS": str(STEPS),
     "MILESTREAM__TRAINER__CHECKPOINT_EVERY": "2",
