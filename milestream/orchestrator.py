@@ -188,8 +188,9 @@ class Monitor:
                            self.cfg.eval.mode is not None)
 
     def poll(self, drain: bool = False) -> None:
-        """Take what arrived (everything there is, with ``drain``), printing each trainer step once."""
-        items = self.feed.drain(0.5, 20.0) if drain else self.feed.poll(0.5)
+        """Take what arrived (with ``drain``, everything up to the topics' ends now: no wait for a quiet spell,
+        which stages that report every half second may never leave), printing each trainer step once."""
+        items = self.feed.drain(0.0, 20.0) if drain else self.feed.poll(0.5)
         for item in items:
             self.lineage.observe(item.record, item.position)
         for record in (item.record for item in items if item.spec == topics.METRICS):

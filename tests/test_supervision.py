@@ -108,13 +108,13 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypa
 
 # Where each life of the trainer is SIGKILLed: held at a point of a step, at its N-th pass in that
 # life. A life killed at pass N has checkpointed N - 1 steps since it resumed: 2 in all, so the
-# run (12 steps) is still going at the last kill. Pass 1 of trainer.collected is just after start-up.
+# run (6 steps) is still going at the last kill. Pass 1 of trainer.collected is just after start-up.
 TRAINER_KILLS = (("trainer.published", 2), ("trainer.checkpoint_written", 1), ("trainer.collected", 2),
                  ("trainer.collected", 1), ("trainer.published", 1))
 
 
 def test_trainer_killed_at_every_point_of_a_step_loses_no_group_and_trains_none_twice(cfg, tmp_path, monkeypatch):
-    cfg = cfg.with_overrides(trainer={"steps": 12, "checkpoint_every": 1},
+    cfg = cfg.with_overrides(trainer={"steps": 6, "checkpoint_every": 1},
                              run={"max_wall_s": 600, "max_restarts": len(TRAINER_KILLS) + 2})
     run_dir = Path(cfg.run.run_dir)
     assert sum(at_pass - 1 for _, at_pass in TRAINER_KILLS) < cfg.trainer.steps

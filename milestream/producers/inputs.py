@@ -11,9 +11,6 @@ from __future__ import annotations
 import re
 
 from milestream.config import Config
-from milestream.engines.engine import unserved
-from milestream.infra import on_policy
-from milestream.infra.model import ModelFolderError, load_tokenizer, model_config
 from milestream.producers.data import DataError, held_out, prompt_messages, source_named, sources
 from milestream.producers.rewards import load_reward
 from milestream.producers.tasks import chat_input_ids
@@ -32,6 +29,11 @@ def check_model(cfg: Config) -> None:
     ``refusal``); the built-in models are served."""
     if not cfg.model.path:
         return
+    # torch and transformers only for a model folder: the prompt feeder checks its inputs at every start
+    from milestream.engines.engine import unserved
+    from milestream.infra import on_policy
+    from milestream.infra.model import ModelFolderError, model_config
+
     config = model_config(cfg.model)
     where = f"model.path {cfg.model.path} ({config.model_type})"
     if cfg.rollout.engine_url is None and (reason := unserved(config)):
@@ -53,6 +55,8 @@ def check_inputs(cfg: Config) -> None:
     file_sources = [source for source in all_sources if source.task_data is None]
     if not file_sources:
         return
+    from milestream.infra.model import load_tokenizer
+
     tokenizer = load_tokenizer(cfg.model)
     room = context_limit(cfg) - cfg.rollout.max_new_tokens
     for source in file_sources:

@@ -27,6 +27,8 @@ def collector(cfg, producer, offsets=None, seen=None) -> GroupCollector:
 def test_fifo_takes_in_arrival_order_and_drops_stale_at_collection(cfg):
     producer = publish(cfg, {"a": 0, "b": 3, "c": 5, "d": 5})
     c = collector(cfg, producer)
+    while len(c.pool) < 4:  # all four read first: take returns once two fresh ones are in, read or not
+        c._read(timeout=1.0)
     taken = c.take(2, version=5, stopping=lambda: False)  # max_staleness 2: "a" (lag 5) is dropped
     assert len(taken) == 2 and all(lag <= 2 for _, lag in taken)
     assert "a" not in {g.group_id for g, _ in taken} and "a" in c.seen_groups
