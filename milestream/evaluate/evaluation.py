@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 from milestream.config import Config, import_path
 from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer, stop_token_ids
+from milestream.infra.offsets import Checkpoint
 from milestream.log.lineage import check_observed
 from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, GenerateResult, SamplingParams
 from milestream.producers.data import held_out, prompt_messages, sources
@@ -258,6 +259,8 @@ class EvaluationLoop:
         consumer = versions_reader(cfg, f"{cfg.broker.topic_prefix}eval-{cfg.eval.mode}", self.producer)
         # assigned, not subscribed: a lone reader needs no group join (seconds on tansu), only its committed offset
         self.feed = VersionFeed(consumer.assign(consumer.committed([0]), partitions=[0]))
+        self.evaluated_to: dict[int, int] = {}  # the next offset after the last version whose result is out
+        self.checkpoint = Checkpoint(self.producer, consumer, lambda: self.evaluated_to)
         self.pending: deque[tuple[WeightVersion, int]] = deque()
         # (version, checksums): a step the trainer redid after a crash is evaluated again only if it differs
         self.queued: set[tuple[int, int]] = set()
@@ -274,7 +277,8 @@ class EvaluationLoop:
         record, next_offset = self.pending.popleft()
         outcome = await guarded(self.evaluation(record), self.cfg.eval.timeout_s)
         results = await publish_outcome(self.cfg, record.version, record.step, outcome, self.feed, self.producer)
-        self.feed.consumer.commit({0: next_offset})
+        self.evaluated_to = {0: next_offset}
+        self.checkpoint.commit()
         return results
 
     async def run(self, stop: threading.Event) -> None:

@@ -16,11 +16,19 @@ Its users:
                            go into the trainer's checkpoint with the seen group ids, which skip the
                            groups it re-reads
   the evaluator            weights.versions: held until the version's result is published
+
+Where a reader writes what it made of its records and commits its read offsets, it does so in one order,
+``Checkpoint.commit`` (as Quix Streams' checkpoint does): what it wrote reaches the log (the producer
+flushed), then the state it keeps is saved, then the offsets are committed. A crash between two steps
+redoes work, which the re-read recognises by id; any other order could commit past work that never
+reached the log. The trainer and the trackers keep their offsets in their own saved state (a checkpoint,
+a position file) and commit none to the broker: their save is that last step.
 """
 from __future__ import annotations
 
 import collections
-from typing import Generic, Hashable, Mapping, TypeVar
+from collections.abc import Callable
+from typing import Generic, Hashable, Mapping, Protocol, TypeVar
 
 K = TypeVar("K", bound=Hashable)  # a partition: its number, or a (topic, partition)
 
@@ -59,3 +67,26 @@ class HeldOffsets(Generic[K]):
 
     def held(self) -> int:
         return sum(sum(counts.values()) for counts in self._held.values())
+
+
+class Flushes(Protocol):
+    def flush(self, timeout: float = ...) -> None: ...
+
+
+class Commits(Protocol):
+    def commit(self, offsets: dict, wait: bool = ...) -> bool: ...
+
+
+class Checkpoint(Generic[K]):
+    """A reader's one ordered commit (see the module's docstring): ``offsets`` gives the offsets to commit
+    once the producer is flushed and ``save`` (when given) has saved the state they go with."""
+
+    def __init__(self, producer: Flushes, consumer: Commits, offsets: Callable[[], Mapping[K, int]]):
+        self.producer, self.consumer, self.offsets = producer, consumer, offsets
+
+    def commit(self, save: Callable[[], None] | None = None, wait: bool = True) -> bool:
+        """False when the broker refused the offsets (a rebalance under way): the next commit carries them."""
+        self.producer.flush()
+        if save is not None:
+            save()
+        return self.consumer.commit(dict(self.offsets()), wait=wait)

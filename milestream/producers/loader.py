@@ -22,6 +22,7 @@ from itertools import islice
 from milestream.config import Config
 from milestream.infra import faults
 from milestream.infra.kafka import RecordConsumer, RecordProducer
+from milestream.infra.offsets import Checkpoint
 from milestream.producers.data import prompt_stream, source_named, sources
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger
@@ -57,9 +58,8 @@ def retry_unused(cfg: Config, dropped: RecordConsumer, producer: RecordProducer)
             prompt = source_named(cfg, source).prompt(epoch, row)
             producer.send(topics.PROMPTS, [dataclasses.replace(prompt, attempt=attempt + 1)], key=prompt.prompt_id)
             retried += 1
-    if offsets:
-        producer.flush()  # committed only once the retries are on the log
-        dropped.commit(offsets)
+    if offsets:  # committed only once the retries are on the log
+        Checkpoint(producer, dropped, lambda: offsets).commit()
     return retried
 
 

@@ -29,7 +29,7 @@ from milestream.engines.http_engine import HttpEngine
 from milestream.engines.scoring import Scorer, ScoreRequest
 from milestream.infra.kafka import Admin, Delivery, RecordConsumer, RecordProducer
 from milestream.infra.model import ModelFolderError, configure_process, load_tokenizer, model_config
-from milestream.infra.offsets import HeldOffsets
+from milestream.infra.offsets import Checkpoint, HeldOffsets
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import Metrics, TeacherLogProbs, Trajectory
@@ -89,6 +89,7 @@ class TeacherStage:
         committed = consumer.committed(partitions)
         self.consumer = consumer.assign(committed, partitions=partitions)
         self.held: HeldOffsets[int] = HeldOffsets(resumed=committed)
+        self.checkpoint = Checkpoint(self.producer, self.consumer, self.held.committable)
         self.samples = self.tokens = 0
         self.score_s = 0.0
         self.reported = time.monotonic()
@@ -122,13 +123,12 @@ class TeacherStage:
                 record = TeacherLogProbs(t.trajectory_id, t.group_id, t.sample_index, t.group_size, logprobs,
                                          self.teacher)
                 self.producer.send(topics.TEACHER_LOGPROBS, [record], key=t.group_id)
-            await asyncio.to_thread(self.producer.flush)
             self.samples += len(trajectories)
             self.tokens += sum(len(t.response_ids) for t in trajectories)
-        for delivery in deliveries:  # delivered: a restart need not read them again
+        for delivery in deliveries:  # scored: a restart need not read them again, once their scores are on the log
             self.held.done(delivery.position.partition, delivery.position.offset)
         if deliveries:
-            self.consumer.commit(self.held.committable(), wait=False)
+            await asyncio.to_thread(self.checkpoint.commit, wait=False)
         self._report()
         return len(trajectories)
 
@@ -160,8 +160,7 @@ class TeacherStage:
             await self.close()
 
     async def close(self) -> None:
-        self.producer.flush()
-        self.consumer.commit(self.held.committable())  # waited for: a planned restart redoes nothing
+        self.checkpoint.commit()  # waited for: a planned restart redoes nothing
         self.consumer.close()
         close = getattr(self.scorer, "close", None)
         if close is not None:

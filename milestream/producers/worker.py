@@ -37,7 +37,7 @@ from milestream.infra import faults
 from milestream.infra.kafka import Delivery, RecordConsumer, RecordProducer
 from milestream.infra.lifecycle import async_stop, stop_on_signals
 from milestream.infra.model import configure_process, load_tokenizer
-from milestream.infra.offsets import HeldOffsets
+from milestream.infra.offsets import Checkpoint, HeldOffsets
 from milestream.producers.environments.sandbox import figures as sandbox_figures
 from milestream.producers.inputs import check_prompt
 from milestream.producers.rewards import Reward
@@ -134,9 +134,12 @@ class PromptReader:
             except queue.Empty:
                 await asyncio.sleep(0.05)
 
-    def commit(self, offsets: dict[int, int]) -> None:
+    def commit(self, offsets: dict[int, int], wait: bool = False) -> bool:
+        """Handed to the reading thread, which sends it between two polls: never waited for (``wait`` is not
+        honoured; the consumer is that thread's alone)."""
         with self._lock:
             self._to_commit = dict(offsets)
+        return True
 
     def close(self) -> None:
         self.stopped.set()
@@ -183,6 +186,7 @@ class RolloutWorker:
                                        deadletter=self.producer,
                                        check=weights.version_check(cfg, self.ledger)).assign(partitions=[0])
         self.offsets: HeldOffsets[int] = HeldOffsets()
+        self.checkpoint = Checkpoint(self.producer, self.prompts, self.offsets.committable)
         self.slots = asyncio.Semaphore(cfg.rollout.max_inflight_samples)
         self.group_refill = cfg.rollout.refill == "group"
         self.weights_ready = asyncio.Event()
@@ -292,8 +296,11 @@ class RolloutWorker:
                                        timeout_s)
 
     def _prompt_done(self, position: Position) -> None:
+        """The prompt's offset committed once its group's samples are on the log."""
         self.offsets.done(position.partition, position.offset)
-        self.prompts.commit(self.offsets.committable())
+        started = time.perf_counter()
+        self.checkpoint.commit(wait=False)
+        self.log_write_s += time.perf_counter() - started
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -332,9 +339,6 @@ class RolloutWorker:
         if self.group_refill:
             for _ in range(group.task.size):
                 self.slots.release()
-        started = time.perf_counter()
-        self.producer.flush()
-        self.log_write_s += time.perf_counter() - started
         self._prompt_done(group.position)
 
     def _give_up(self) -> None:

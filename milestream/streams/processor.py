@@ -48,7 +48,7 @@ from milestream.config import Config
 from milestream.infra import faults
 from milestream.infra.kafka import KafkaError, Partition, RawMessage, RecordProducer, SourceConsumer, topic_name
 from milestream.infra.lifecycle import stop_on_signals
-from milestream.infra.offsets import HeldOffsets
+from milestream.infra.offsets import Checkpoint, HeldOffsets
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError, decode, encode, headers_for
 from milestream.schemas.records import DeadLetter, Metrics
@@ -120,14 +120,13 @@ class Processor:
         self.timers = {self._commit: cfg.buffer.commit_interval_s, self.publish_metrics: cfg.buffer.metrics_interval_s,
                        self._expire: expire_every, self._follow_trainer: 0.5}
         self.due = dict.fromkeys(self.timers, 0.0)
+        self.checkpoint = Checkpoint(self.producer, self.consumer, self._commit_points)
 
     def run(self) -> None:
         """Until ``stopping``; then what is in flight is delivered and settled, and the offsets committed."""
         while not self.stop.is_set():
             self.step(self.consumer.consume(BATCH, 0.05))
-        self.producer.flush()
-        self._settle_delivered()
-        self._commit(wait=True)
+        self.checkpoint.commit(save=self._settle_delivered)
         self.consumer.close()
 
     def step(self, messages: list[RawMessage]) -> None:
@@ -315,16 +314,16 @@ class Processor:
 
     # ---- offsets, partitions, figures ----------------------------------------------------------------
 
-    def _commit(self, wait: bool = False) -> None:
-        points = {tp: point for tp, offsets in self.held.items()
-                  if (point := offsets.commit_point(tp[1])) is not None}
-        self.consumer.commit(points, wait=wait)
+    def _commit_points(self) -> dict[Partition, int]:
+        return {tp: point for tp, offsets in self.held.items() if (point := offsets.commit_point(tp[1])) is not None}
+
+    def _commit(self) -> None:
+        """Between checkpoints: an offset is held until its groups settled, so none passes an unflushed record."""
+        self.consumer.commit(self._commit_points(), wait=False)
 
     def _revoked(self, partitions: list[Partition]) -> None:
         """Partitions going to another member: commit them, and forget their partial groups (it re-reads them)."""
-        self.producer.flush()
-        self._settle_delivered()
-        self._commit(wait=True)
+        self.checkpoint.commit(save=self._settle_delivered)
         numbers = {p for t, p in partitions if t in self.sources}
         self.counts["groups_handed_over"] += len(self.assembler.forget(numbers))
         for tp in partitions:
