@@ -254,8 +254,7 @@ class RolloutWorker:
         """The next prompt, admitted with its credit; a prompt whose group the processor already has (a redo
         after a crash) is passed over."""
         while True:
-            self.waiting_on = (f"a prompt ({self.prompts.taken} read so far; it holds partitions "
-                               f"{sorted(self.prompts.consumer.owned)} of prompts)")
+            self.waiting_on = "a prompt"
             delivery = await self.prompts.next()
             prompt, position = delivery.records[0], delivery.position
             self.offsets.started(position.partition, position.offset)
@@ -473,8 +472,9 @@ class RolloutWorker:
             if self.samples_done != last_samples:
                 last_samples, last_sample_at = self.samples_done, now
             elif now - last_sample_at >= quiet_s:
-                log.info("worker %s: no sample for %.0f s, %d groups in flight; admission waits for %s",
-                         self.worker_id, now - last_sample_at, len(self.tasks), self.waiting_on)
+                log.info("worker %s: no sample for %.0f s, %d groups in flight; admission waits for %s (%d prompts "
+                         "read so far, from partitions %s of prompts)", self.worker_id, now - last_sample_at,
+                         len(self.tasks), self.waiting_on, self.prompts.taken, sorted(self.prompts.consumer.owned))
                 last_sample_at = now
             values = {"samples": float(self.samples_done), "samples_per_s": self.samples_done / elapsed,
                       "inflight": float(len(self.tasks)), "stalled_s": self.stalled_s,
