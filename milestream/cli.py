@@ -358,6 +358,7 @@ def _replay(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _fork(cfg: Config, args: argparse.Namespace) -> int:
+    from milestream.evaluate.evaluation import HeldOutOfWeights
     from milestream.observe.fork import fork_run
 
     if args.config or not args.run_dir:
@@ -365,7 +366,12 @@ def _fork(cfg: Config, args: argparse.Namespace) -> int:
     saved = run_folder(args.origin) / "config.yaml"
     original = load_config(saved)
     fork = load_config(saved, [*args.overrides, f"run.run_dir={args.run_dir}"])
-    print(f"summary: {fork_run(original, fork, args.origin, args.step, args.steps)}")
+    evaluate = HeldOutOfWeights(fork) if fork.eval.mode is not None else None
+    try:
+        print(f"summary: {fork_run(original, fork, args.origin, args.step, args.steps, evaluate)}")
+    finally:
+        if evaluate is not None:
+            evaluate.close()
     return 0
 
 

@@ -51,6 +51,19 @@ def error_response(status: int, message: str, **fields: Any) -> web.Response:
     return web.json_response(body, status=status)
 
 
+# Servers close a keep-alive connection idle for their timeout (uvicorn's default, which vLLM and SGLang use, is 5 s);
+# a client that reuses it at that moment loses the request ("Cannot write to closing transport"). A client that
+# drops idle connections sooner never reuses one the server is closing.
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def client_session(timeout_s: float) -> aiohttp.ClientSession:
+    """The aiohttp client a stage talks to engines with: no connection limit, idle connections dropped before any
+    server drops them."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), connector=connector)
+
+
 def transport_failure(exc: BaseException, timeout_s: float) -> str:
     """Why an HTTP exchange got no reply, in words: the peer refused, dropped the connection, or was silent."""
     if isinstance(exc, asyncio.TimeoutError):  # aiohttp's own timeouts are TimeoutErrors too

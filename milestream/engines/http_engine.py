@@ -30,7 +30,8 @@ from torch import Tensor
 
 from milestream.config import Config, ModelConfig
 from milestream.engines.engine import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from milestream.engines.http_api import ROUTING_KEY_HEADER, authorization, reply_message, transport_failure
+from milestream.engines.http_api import (ROUTING_KEY_HEADER, authorization, client_session, reply_message,
+                                         transport_failure)
 from milestream.engines.scoring import ScoreRequest
 from milestream.infra.model import load_model, load_trainable_state_dict, merged_weights
 from milestream.infra.secret_env import control_token
@@ -146,7 +147,6 @@ class HttpEngine:
         self._authorization = authorization(token) if token is not None else {}
         self._full_weights = FullWeights(model) if model is not None and model.lora_rank > 0 else None
         self.timeout_s = timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._client: aiohttp.ClientSession | None = None
         self._version = initial_version
 
@@ -207,7 +207,7 @@ class HttpEngine:
     async def post(self, path: str, payload: dict[str, Any], *, routing_key: str | None = None) -> Any:
         headers = {**self._authorization, **({self.key_header: routing_key} if routing_key is not None else {})}
         if self._client is None:  # created on the caller's loop
-            self._client = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
+            self._client = client_session(self.timeout_s)
         try:
             async with self._client.post(self.url + path, json=payload, headers=headers) as reply:
                 text = await reply.text()

@@ -59,7 +59,7 @@ import aiohttp
 from aiohttp import web
 
 from milestream.config import Config, ConfigError, RouterConfig
-from milestream.engines.http_api import (JSON, ROUTING_KEY_HEADER, BadRequest, Guard, authorization,
+from milestream.engines.http_api import (JSON, ROUTING_KEY_HEADER, BadRequest, Guard, authorization, client_session,
                                            bad_request_as_400, error_response, reply_message, serve_app,
                                            transport_failure)
 
@@ -219,8 +219,7 @@ class Router:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._client is None:  # created on the serving loop
-            timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
-            self._client = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+            self._client = client_session(self.cfg.request_timeout_s)
         return self._client
 
     async def _watch_all(self, app: web.Application) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from statistics import mean
 from typing import Protocol
 
+from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from milestream.config import Config, import_path
@@ -184,14 +185,19 @@ async def guarded(evaluation: Awaitable[list[Score]], timeout_s: float) -> list[
 async def publish_outcome(cfg: Config, version: int, step: int, outcome: list[Score] | str,
                           feed: VersionFeed, producer: RecordProducer) -> list[EvalResult]:
     """The results of one version's evaluation on ``eval.results`` (a reason: one ``skipped`` result)."""
-    lag = await asyncio.to_thread(feed.lag, step)
+    results = eval_results(cfg, version, step, outcome, await asyncio.to_thread(feed.lag, step))
+    producer.send(topics.EVAL_RESULTS, results)
+    producer.flush()
+    return results
+
+
+def eval_results(cfg: Config, version: int, step: int, outcome: list[Score] | str, lag: int) -> list[EvalResult]:
+    """One version's evaluation as results (a reason: one ``skipped`` result), each logged."""
     now = time.time()
     if isinstance(outcome, str):
         results = [EvalResult(cfg.eval.name, version, step, math.nan, lag, "skipped", outcome, now)]
     else:
         results = [EvalResult(s.name, version, step, s.value, lag, "ok", s.detail, now) for s in outcome]
-    producer.send(topics.EVAL_RESULTS, results)
-    producer.flush()
     for r in results:
         log.info("eval %s version %d (step %d, lag %d): %s %s", r.name, r.version, r.step, r.lag_steps, r.status,
                  f"{r.score:.4f}" if r.status == "ok" else r.detail)
@@ -309,6 +315,36 @@ class EngineEvaluation:
     async def close(self) -> None:
         self.receiver.close()
         await self.engine.close()
+
+
+class HeldOutOfWeights:
+    """The held-out evaluation of weights in hand by a CPU engine of its own, made at the first due version: a
+    fork's versions, which no transport delivers (observe/fork.py). One event loop for its life, the engine's."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.runner = asyncio.Runner()
+        self.engine: CpuEngine | None = None
+        self.heldout: HeldOut | None = None
+
+    def __call__(self, version: int, step: int, tensors: dict[str, Tensor], last: bool) -> list[EvalResult]:
+        """The results of a due version (``last``: the fork's last step, always due), else []."""
+        if not (last or is_due(self.cfg, version, step)):
+            return []
+
+        async def evaluate() -> list[Score]:
+            if self.engine is None or self.heldout is None:
+                self.engine = CpuEngine(self.cfg.model, self.cfg.rollout, inflight="keep")
+                self.heldout = HeldOut(self.cfg, load_tokenizer(self.cfg.model))
+            await self.engine.update_weights(version, tensors)
+            return await self.heldout.score(self.engine, version)
+
+        return eval_results(self.cfg, version, step, self.runner.run(guarded(evaluate(), self.cfg.eval.timeout_s)), 0)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.runner.run(self.engine.close())
+        self.runner.close()
 
 
 def require_skippable_transport(cfg: Config) -> None:

@@ -5,8 +5,9 @@ run it came from compare as any two runs. ``compare.png`` has one panel per figu
 training reward, the held-out score of each evaluated version (``milestream eval``, at the version's step), the
 loss, the gradient norm, the KL between the rollout and the trainer's policy on the trained tokens
 (``kl_rollout_train``), the KL to the reference (``kl_ref``, with trainer.kl_loss_coef) and the PPO clip
-fraction. ``compare.md`` is the table: per run its steps, the means of its last quarter of steps, its last
-held-out score, its wall time and, for a fork, where it came from.
+fraction. ``compare.md`` is the table: per run its steps, the means over the last quarter of the steps every run trained
+(so that a fork and its original are compared on the same steps), its last held-out score, its wall time and,
+for a fork, where it came from.
 """
 from __future__ import annotations
 
@@ -61,20 +62,35 @@ class ComparedRun:
         return f"{self.name} (fork of {Path(self.facts['from']).name} at step {self.facts['step']}: {changed})"
 
 
-def last_quarter_mean(points: Sequence[tuple[int, float]]) -> float | None:
-    values = [v for _, v in points[-max(1, len(points) // 4):] if math.isfinite(v)]
+def shared_window(runs: Sequence[ComparedRun]) -> tuple[int, int] | None:
+    """The last quarter of the steps every run trained, which the table's means are taken over: a fork and its
+    original (steps 21-60 against 1-60) are compared on the same steps. None when the runs share no step."""
+    shared = sorted(set.intersection(*({s for s, _ in run.curves.get("reward_mean", [])} for run in runs)))
+    if not shared:
+        return None
+    tail = shared[-max(1, len(shared) // 4):]
+    return tail[0], tail[-1]
+
+
+def window_mean(points: Sequence[tuple[int, float]], window: tuple[int, int] | None) -> float | None:
+    """The mean over ``window``'s steps, or over the last quarter of the points when there is no window."""
+    chosen = points[-max(1, len(points) // 4):] if window is None else [
+        (s, v) for s, v in points if window[0] <= s <= window[1]]
+    values = [v for _, v in chosen if math.isfinite(v)]
     return sum(values) / len(values) if values else None
 
 
 def table(runs: Sequence[ComparedRun]) -> str:
     """The comparison as a Markdown table."""
-    head = ["run", "steps", *(f"{name} (last quarter)" for name in TABLED), "held-out (last)", "wall s"]
+    window = shared_window(runs)
+    over = "each run's last quarter" if window is None else f"steps {window[0]}-{window[1]}"
+    head = ["run", "steps", *(f"{name} ({over})" for name in TABLED), "held-out (last)", "wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         steps = [s for s, _ in run.curves.get("reward_mean", [])]
         heldout = run.curves.get("heldout", [])
         cells = [run.label, f"{steps[0]}-{steps[-1]}" if steps else "-",
-                 *(_shown(last_quarter_mean(run.curves.get(name, []))) for name in TABLED),
+                 *(_shown(window_mean(run.curves.get(name, []), window)) for name in TABLED),
                  _shown(heldout[-1][1] if heldout else None), _shown(run.facts.get("wall_s"), ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -30,9 +30,10 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
+from torch import Tensor
 
 from milestream.config import Config, UserError, knob_values
 from milestream.infra.kafka import RawMessage
@@ -49,7 +50,7 @@ from milestream.observe.report import write_report
 from milestream.observe.series import RunSeries
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, encode, headers_for
-from milestream.schemas.records import GroupSample, Metrics, Record, WeightVersion
+from milestream.schemas.records import EvalResult, GroupSample, Metrics, Record, WeightVersion
 from milestream.streams.groups import staleness
 from milestream.streams.weights.base import checksums
 from milestream.streams.weights.disk import nbytes
@@ -59,8 +60,15 @@ from milestream.train.learner import CollectedGroup, Learner
 log = logging.getLogger(__name__)
 
 FORK_FILE = "fork.json"
+
+
+class EvaluateWeights(Protocol):
+    """The held-out evaluation of a fork's version, [] for a version not due (evaluate/evaluation.py
+    ``HeldOutOfWeights``)."""
+
+    def __call__(self, version: int, step: int, tensors: dict[str, Tensor], last: bool) -> list[EvalResult]: ...
 # sections whose knobs a fork may change: the trainer's, and where and how the fork is watched
-FREE_SECTIONS = ("trainer", "observe", "broker", "redis")
+FREE_SECTIONS = ("trainer", "observe", "eval", "broker", "redis")
 # knobs a fork sets itself, or cannot honour although they are the trainer's
 FIXED = {
     "run.run_dir": "",  # the fork's folder: --run-dir
@@ -141,8 +149,10 @@ class Fork:
     batches: list[list[str]]  # the group ids of each of its steps
 
 
-def fork_run(original: Config, fork: Config, origin: str | Path, step: int, count: int | None = None) -> dict:
-    """Make the fork of ``origin`` (configured ``original``) at ``step`` in ``fork.run.run_dir``; its summary."""
+def fork_run(original: Config, fork: Config, origin: str | Path, step: int, count: int | None = None,
+             evaluate: EvaluateWeights | None = None) -> dict:
+    """Make the fork of ``origin`` (configured ``original``) at ``step`` in ``fork.run.run_dir``, its due versions
+    evaluated by ``evaluate``; its summary."""
     started = time.monotonic()
     refused = refused_knobs(original, fork)
     if refused:
@@ -167,9 +177,14 @@ def fork_run(original: Config, fork: Config, origin: str | Path, step: int, coun
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(fork.to_yaml())
     out = ForkLog(run_dir, origin, fork.broker.topic_prefix)
-    ours = _train(fork, learner, plan, samples, logged_manifests(source), out)
-    _write_facts(run_dir, original, fork, plan, lineage, ours, at)
-    summary = write_report(run_dir, ours, time.monotonic() - started)
+    ours, evals = _train(fork, learner, plan, samples, logged_manifests(source), out, evaluate)
+    facts = _write_facts(run_dir, original, fork, plan, lineage, ours, at)
+    trainer_knobs = [knob for knob in facts["changed"] if knob.startswith("trainer.")]
+    if trainer_knobs and facts["steps_equal_to_original"] == facts["steps"]:
+        log.warning("every step of the fork equals the original's (loss and gradient norm, bit for bit): %s changed "
+                    "nothing on these steps (clipping, for one, never acts with trainer.updates_per_batch 1, where "
+                    "pi / pi_old is 1)", ", ".join(trainer_knobs))
+    summary = write_report(run_dir, ours, time.monotonic() - started, evals=evals, eval_name=fork.eval.name)
     write_plots(RunSeries().observe_all(archived(run_dir)), run_dir / "plots")
     return summary
 
@@ -188,9 +203,11 @@ def _under_knobs(learner: Learner, original: Config, fork: Config) -> Learner:
 
 
 def _train(cfg: Config, learner: Learner, plan: Fork, samples: dict[str, list[GroupSample]],
-           manifests: dict, out: ForkLog) -> Lineage:
-    """The fork's steps, each recorded on its log as the trainer records its own; the fork's lineage."""
-    lineage, trained = Lineage(), set()
+           manifests: dict, out: ForkLog, evaluate: EvaluateWeights | None) -> tuple[Lineage, list[EvalResult]]:
+    """The fork's steps, each recorded on its log as the trainer records its own, and the due versions
+    evaluated on the held-out prompts (the fork's training reward is the logged samples', the same as the
+    original's: its held-out score is what tells the knobs' effect); the fork's lineage and results."""
+    lineage, trained, evals = Lineage(), set(), []
     for step, group_ids in enumerate(plan.batches, start=plan.step + 1):
         began = time.monotonic()
         lags = [staleness(manifests[g], step - 1) for g in group_ids]  # at version step - 1, as the trainer does
@@ -206,12 +223,16 @@ def _train(cfg: Config, learner: Learner, plan: Fork, samples: dict[str, list[Gr
         record = Metrics("trainer", step, time.time(), values, list(group_ids), lags)
         lineage.observe(record, out.append(topics.METRICS, record, "trainer"))
         trained.update(group_ids)
+        if evaluate is not None:
+            for result in evaluate(step, step, exported, step == cfg.trainer.steps):
+                out.append(topics.EVAL_RESULTS, result, "evaluator")
+                evals.append(result)
         log.info("fork step %d: loss %.4f grad norm %.4f reward %.3f staleness %.2f", step, figures["loss"],
                  figures["grad_norm"], figures["reward_mean"], values["staleness_mean"])
         if step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.steps:
             checkpoint.save(cfg.run_path, checkpoint.TrainerState(step, step, {}, set(trained)), learner.state_dict(),
                             keep=cfg.trainer.keep_checkpoints)
-    return lineage
+    return lineage, evals
 
 
 def _foreign_share(batch: Sequence[CollectedGroup], step: int) -> float:
@@ -221,16 +242,25 @@ def _foreign_share(batch: Sequence[CollectedGroup], step: int) -> float:
 
 
 def _write_facts(run_dir: Path, original: Config, fork: Config, plan: Fork, lineage: Lineage, ours: Lineage,
-                 checkpoint_step: int) -> None:
-    """fork.json: where the fork came from, what it changed, and its steps' wall time beside the original's."""
+                 checkpoint_step: int) -> dict[str, Any]:
+    """fork.json: where the fork came from, what it changed, how many of its steps the change left equal to the
+    original's, and its steps' wall time beside the original's; the facts."""
     last = plan.step + len(plan.batches)
     theirs = [lineage.steps[s] for s in range(plan.step + 1, last + 1) if s in lineage.steps]
     facts = {
         "from": str(plan.origin.resolve()), "step": plan.step, "steps": len(plan.batches),
         "started_from_checkpoint": checkpoint_step, "changed": changed_knobs(original, fork),
+        "steps_equal_to_original": sum(_equal_step(lineage.steps.get(m.step), m) for m in ours.trainer_steps()),
         "step_s": sum(m.values.get("step_s", 0.0) for m in ours.trainer_steps()),
         "original_step_s": sum(m.values.get("step_s", 0.0) for m in theirs),
         # the original's steps took this long on the clock, waiting for rollout included (from step N's record)
         "original_wall_s": theirs[-1].ts - lineage.steps[plan.step].ts if plan.step in lineage.steps else None,
     }
     (run_dir / FORK_FILE).write_text(json.dumps(facts, indent=2) + "\n")
+    return facts
+
+
+def _equal_step(theirs: Metrics | None, ours: Metrics) -> bool:
+    """The fork's step trained the original's groups to the same loss and gradient norm, bit for bit."""
+    return theirs is not None and theirs.group_ids == ours.group_ids and all(
+        theirs.values.get(name) == ours.values.get(name) for name in ("loss", "grad_norm"))

@@ -56,21 +56,30 @@ def test_a_fork_repeats_the_original_bit_for_bit_and_another_learning_rate_diffe
         assert checksums_of(same)[step] == checksums_of(origin)[step]
     facts = json.loads((same / "fork.json").read_text())
     assert (facts["step"], facts["steps"], facts["started_from_checkpoint"], facts["changed"]) == (4, 4, 3, {})
+    assert facts["steps_equal_to_original"] == 4
     assert json.loads((same / "summary.json").read_text())["steps"] == 4
     assert (same / "plots" / "reward.png").stat().st_size > 0
 
     faster = tmp_path / "faster"
     lr = cfg.trainer.lr * 10
-    assert main(["fork", "--from", str(origin), "--step", "4", "--run-dir", str(faster),
-                 "--set", f"trainer.lr={lr}", "--steps", "3"]) == 0
+    assert main(["fork", "--from", str(origin), "--step", "4", "--run-dir", str(faster), "--set", f"trainer.lr={lr}",
+                 "--set", "eval.mode=shared", "--set", "eval.every_versions=2", "--set", "eval.num_prompts=4",
+                 "--steps", "3"]) == 0
     changed = steps_of(faster)
     assert sorted(changed) == [5, 6, 7]
     # step 5 starts from the same state; its update, at another rate, leaves other weights, and the losses part
     assert bits(changed[5].values["loss"]) == bits(theirs[5].values["loss"])
     assert checksums_of(faster)[7] != checksums_of(origin)[7]
     assert any(bits(changed[s].values["loss"]) != bits(theirs[s].values["loss"]) for s in (6, 7))
-    assert json.loads((faster / "fork.json").read_text())["changed"] == {"trainer.lr": [cfg.trainer.lr, lr]}
+    faster_facts = json.loads((faster / "fork.json").read_text())
+    assert faster_facts["changed"] == {"trainer.lr": [cfg.trainer.lr, lr], "eval.mode": [None, "shared"],
+                                       "eval.every_versions": [10, 2], "eval.num_prompts": [32, 4]}
+    assert faster_facts["steps_equal_to_original"] < 3  # step 5's loss is the original's; 6 or 7 differs
     assert 0 <= changed[7].values["fork_foreign_token_frac"] <= 1
+    # its due versions (6, and 7: the last) evaluated on the held-out prompts by an engine of its own
+    evals = [r for m in read_archive(faster, topics.EVAL_RESULTS) for r in m.records]
+    assert [(r.version, r.status) for r in evals] == [(6, "ok"), (7, "ok")]
+    assert json.loads((faster / "summary.json").read_text())["heldout_last"]["version"] == 7
 
     # nothing was generated: the run's rollout topics hold what they held, and no fork logged any rollout record
     assert end_offsets(cfg, ROLLOUT_TOPICS) == before

@@ -42,6 +42,8 @@ def test_compare_plots_a_run_and_its_fork_side_by_side(cfg, tmp_path, capsys):
     assert png_size(data)[0] == 1200 and plotted_fraction(data) > 0.003
     table = (out / "compare.md").read_text()
     assert table in printed
+    # means over the last quarter of the steps both runs trained (3-4): step 4 alone, for the run and its fork
+    assert "| reward_mean (steps 4-4) |" in table.splitlines()[0]
     rows = table.splitlines()[2:]
     assert len(rows) == 2
     assert rows[0].startswith(f"| {original.name} | 1-{STEPS} | 0.4 |") and rows[0].split(" | ")[-2] == "0.5"
