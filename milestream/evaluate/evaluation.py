@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from statistics import mean
 from typing import Protocol
@@ -299,51 +299,54 @@ class EvaluationLoop:
 
 
 class EngineEvaluation:
-    """``eval.mode: dedicated``: a CpuEngine of its own loads each due version and runs the held-out set."""
+    """``eval.mode: dedicated``: a CpuEngine of its own loads each due version and runs the held-out set.
+    ``delivered`` False: no weight transport, the weights are handed to ``of_weights`` (a fork's)."""
 
-    def __init__(self, cfg: Config, engine: Engine | None = None):
-        require_skippable_transport(cfg)
+    def __init__(self, cfg: Config, engine: Engine | None = None, delivered: bool = True):
+        if delivered:
+            require_skippable_transport(cfg)
         self.engine = engine or CpuEngine(cfg.model, cfg.rollout, inflight="keep")
-        self.receiver = make_receiver(cfg, "evaluator")
+        self.receiver = make_receiver(cfg, "evaluator") if delivered else None
         self.heldout = HeldOut(cfg, load_tokenizer(cfg.model))
 
     async def __call__(self, record: WeightVersion) -> list[Score]:
-        tensors = await asyncio.to_thread(self.receiver.receive, record)
-        await self.engine.update_weights(record.version, tensors)
-        return await self.heldout.score(self.engine, record.version)
+        assert self.receiver is not None, "an evaluation made with delivered=False is handed its weights"
+        return await self.of_weights(record.version, await asyncio.to_thread(self.receiver.receive, record))
+
+    async def of_weights(self, version: int, tensors: Mapping[str, Tensor]) -> list[Score]:
+        await self.engine.update_weights(version, tensors)
+        return await self.heldout.score(self.engine, version)
 
     async def close(self) -> None:
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
         await self.engine.close()
 
 
 class HeldOutOfWeights:
-    """The held-out evaluation of weights in hand by a CPU engine of its own, made at the first due version: a
-    fork's versions, which no transport delivers (observe/fork.py). One event loop for its life, the engine's."""
+    """The held-out evaluation of weights in hand (a fork's versions, which no transport delivers: observe/fork.py)
+    by an ``EngineEvaluation`` made at the first due version. One event loop for its life, the engine's."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.runner = asyncio.Runner()
-        self.engine: CpuEngine | None = None
-        self.heldout: HeldOut | None = None
+        self.evaluation: EngineEvaluation | None = None
 
-    def __call__(self, version: int, step: int, tensors: dict[str, Tensor], last: bool) -> list[EvalResult]:
+    def __call__(self, version: int, step: int, tensors: Mapping[str, Tensor], last: bool) -> list[EvalResult]:
         """The results of a due version (``last``: the fork's last step, always due), else []."""
         if not (last or is_due(self.cfg, version, step)):
             return []
 
         async def evaluate() -> list[Score]:
-            if self.engine is None or self.heldout is None:
-                self.engine = CpuEngine(self.cfg.model, self.cfg.rollout, inflight="keep")
-                self.heldout = HeldOut(self.cfg, load_tokenizer(self.cfg.model))
-            await self.engine.update_weights(version, tensors)
-            return await self.heldout.score(self.engine, version)
+            if self.evaluation is None:
+                self.evaluation = EngineEvaluation(self.cfg, delivered=False)
+            return await self.evaluation.of_weights(version, tensors)
 
         return eval_results(self.cfg, version, step, self.runner.run(guarded(evaluate(), self.cfg.eval.timeout_s)), 0)
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.runner.run(self.engine.close())
+        if self.evaluation is not None:
+            self.runner.run(self.evaluation.close())
         self.runner.close()
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -60,13 +61,6 @@ from milestream.train.learner import CollectedGroup, Learner
 log = logging.getLogger(__name__)
 
 FORK_FILE = "fork.json"
-
-
-class EvaluateWeights(Protocol):
-    """The held-out evaluation of a fork's version, [] for a version not due (evaluate/evaluation.py
-    ``HeldOutOfWeights``)."""
-
-    def __call__(self, version: int, step: int, tensors: dict[str, Tensor], last: bool) -> list[EvalResult]: ...
 # sections whose knobs a fork may change: the trainer's, and where and how the fork is watched
 FREE_SECTIONS = ("trainer", "observe", "eval", "broker", "redis")
 # knobs a fork sets itself, or cannot honour although they are the trainer's
@@ -78,6 +72,13 @@ FIXED = {
 }
 GENERATION_SECTIONS = ("model", "data", "reward", "rollout", "buffer", "distill", "sandbox", "sessions", "router",
                        "weights")
+
+
+class EvaluateWeights(Protocol):
+    """The held-out evaluation of a fork's version, [] for a version not due (evaluate/evaluation.py
+    ``HeldOutOfWeights``)."""
+
+    def __call__(self, version: int, step: int, tensors: Mapping[str, Tensor], last: bool) -> list[EvalResult]: ...
 
 
 class ForkError(UserError, ValueError):
