@@ -12,9 +12,11 @@ of ``--tokens`` new tokens. vLLM runs as ``milestream run`` starts it (engines/v
   update_pause_s  of that, how long generation was held still
   logprob_diff    mean |log pi_train - log pi_rollout| of a trainer step on the engine's first groups at
                   staleness 0 (the first N of --tokens)
-and vllm / cpu ratios of each. Prints one JSON line.
+and vllm / cpu ratios of each. ``--repeats`` rounds, each measuring the CPU engine then vLLM (interleaved, one vLLM
+server for all): each figure is the median over the rounds, with its spread (min, max) under ``spread``; the ratios
+are of the medians. Prints one JSON line.
 
-    .venv/bin/python benchmarks/engines.py [--groups 8] [--tokens 12 256] [--updates 3]
+    .venv/bin/python benchmarks/engines.py [--groups 8] [--tokens 12 256] [--updates 3] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -48,10 +50,10 @@ async def generate(engine: Engine, cfg: Config, prompt_ids: list[tuple[int, ...]
     return rate, [(prompt, results[g * size:(g + 1) * size]) for g, prompt in enumerate(prompt_ids)]
 
 
-async def updates(engine: Engine, tensors: dict[str, torch.Tensor], count: int) -> tuple[float, float]:
+async def updates(engine: Engine, tensors: dict[str, torch.Tensor], versions: range) -> tuple[float, float]:
     """Median seconds of an update, and of its pause."""
     took, paused = [], []
-    for version in range(1, count + 1):
+    for version in versions:
         started = time.perf_counter()
         await engine.update_weights(version, tensors)
         took.append(time.perf_counter() - started)
@@ -59,7 +61,7 @@ async def updates(engine: Engine, tensors: dict[str, torch.Tensor], count: int) 
     return statistics.median(took), statistics.median(paused)
 
 
-async def measure_engine(engine: Engine, cfg: Config, prompt_ids: list, tokens: list[int], count: int) -> dict:
+async def measure_engine(engine: Engine, cfg: Config, prompt_ids: list, tokens: list[int], versions: range) -> dict:
     figures, first = {}, None
     for new_tokens in tokens:
         rate, groups = await generate(engine, cfg, prompt_ids, new_tokens)
@@ -68,29 +70,35 @@ async def measure_engine(engine: Engine, cfg: Config, prompt_ids: list, tokens: 
     # staleness 0: a learner at the weights that generated the groups, before any update
     step = await asyncio.to_thread(Learner(cfg).train_step, batch(first, cfg.trainer.batch_groups))
     tensors = trainable_state_dict(load_model(cfg.model, dtype=torch.float32))
-    update_s, pause_s = await updates(engine, tensors, count)
+    update_s, pause_s = await updates(engine, tensors, versions)
     return {**figures, "update_s": round(update_s, 3), "update_pause_s": round(pause_s, 3),
             "logprob_diff": step["logprob_diff"]}
 
 
-async def measure(cfg: Config, groups: int, tokens: list[int], count: int, folder: Path) -> dict:
+async def measure(cfg: Config, groups: int, tokens: list[int], count: int, repeats: int, folder: Path) -> dict:
     prompt_ids = prompts(cfg, groups)
     server = VllmServer(cfg, folder / "vllm.log")
     cpu = CpuEngine(cfg.model, cfg.rollout, seed=1)
     vllm = VllmEngine(server.url, weights_dir=folder / "weights", model=cfg.model, dtype=compute_dtype(cfg.model),
                       token=control_token(cfg).value)
+    rounds: dict[str, list[dict]] = {"cpu": [], "vllm": []}
     try:
-        figures = {name: await measure_engine(engine, cfg, prompt_ids, tokens, count)
-                   for name, engine in (("cpu", cpu), ("vllm", vllm))}
+        for r in range(repeats):
+            versions = range(r * count + 1, (r + 1) * count + 1)  # each round's versions newer than the last's
+            for name, engine in (("cpu", cpu), ("vllm", vllm)):
+                rounds[name].append(await measure_engine(engine, cfg, prompt_ids, tokens, versions))
     finally:
         await cpu.close()
         await vllm.close()
         server.stop()
+    figures = {name: {key: statistics.median(f[key] for f in found) for key in found[0]} for name, found in rounds.items()}
+    spread = {name: {key: [min(f[key] for f in found), max(f[key] for f in found)] for key in found[0]}
+              for name, found in rounds.items()}
     ratios = {f"{key}_ratio": round(figures["vllm"][key] / figures["cpu"][key], 3)
               for key in figures["cpu"] if figures["cpu"][key]}
     return {"model": cfg.model.path or cfg.model.name, "dtype": str(compute_dtype(cfg.model)).removeprefix("torch."),
             "vllm_version": VLLM_VERSION, "samples": groups * cfg.rollout.group_size, "updates": count,
-            **figures, **ratios}
+            "repeats": repeats, **figures, **ratios, "spread": spread}
 
 
 def main() -> None:
@@ -98,11 +106,12 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--tokens", type=int, nargs="+", default=[12, 256])
     parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="milestream-engines-") as folder:
         cfg = Config().with_overrides(eval={"mode": None}, run={"run_dir": folder})
         configure_process(cfg.model)
-        print(json.dumps(asyncio.run(measure(cfg, args.groups, args.tokens, args.updates, Path(folder)))))
+        print(json.dumps(asyncio.run(measure(cfg, args.groups, args.tokens, args.updates, args.repeats, Path(folder)))))
 
 
 if __name__ == "__main__":

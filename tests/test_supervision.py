@@ -26,6 +26,7 @@ from milestream.train import checkpoint
 from milestream.log.archive import ArchiveState
 from milestream.log.audit import archived_lineage, audit_run
 from milestream.log.reader import read_archive
+from milestream.log.restore import covered_checkpoints
 from milestream.infra.kafka import RecordConsumer
 from milestream.schemas import topics
 
@@ -206,7 +207,8 @@ def test_broker_crash_with_the_archive_behind_the_trainers_checkpoint_rolls_the_
     runner, outcome = start_run(cfg)
     try:
         trainer = holds.wait_held("trainer.collected", 300, running(runner, "the trainer held at step 3"))
-        wait_for(lambda: not latest_past(archived_groups()), 120, "the archive to cover checkpoint 2", runner)
+        wait_for(lambda: checkpoint.latest_step(run_dir) in covered_checkpoints(run_dir, archived_groups()), 120,
+                 "the archive to cover checkpoint 2", runner)
         covered = checkpoint.latest_step(run_dir)
         holds.arm("archiver.flushing")
         holds.wait_held("archiver.flushing", 120, running(runner, "the archiver held"))

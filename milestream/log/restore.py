@@ -40,7 +40,7 @@ from milestream.log import accounting
 from milestream.log.accounting import Accounting, LoggedRun, derive_accounting, rebuild_ledger, trainer_position
 from milestream.log.lineage import TrainerPosition
 from milestream.log.archive import ArchiveState, archived_raw, load_manifest, segment_paths
-from milestream.log.reader import ArchiveSource, SkipBadRecords
+from milestream.log.reader import ArchiveSource, SkipBadRecords, read_archive_fields
 from milestream.schemas import topics
 from milestream.streams.ledger import BufferLedger
 
@@ -150,29 +150,52 @@ def restore_group_offsets(cfg: Config, state: ArchiveState, ends: dict[str, dict
     return restored
 
 
+def archived_trainer_steps(run_dir: str | Path) -> set[int]:
+    """The steps whose trainer record (buffer.metrics) the archive holds."""
+    metrics = read_archive_fields(run_dir, topics.METRICS, ("source", "step"), SkipBadRecords())
+    return {r["step"] for m in metrics for r in m.records if r["source"] == "trainer"}
+
+
+def covered_checkpoints(run_dir: str | Path, ends: dict[int, int]) -> list[int]:
+    """The trainer's checkpoints, oldest first, that the archive covers: it holds the buffer.groups records up to
+    the checkpoint's offsets (``ends``: the archived buffer.groups ends) and the record of each step up to it.
+    The trainer publishes a step's record before checkpointing it, but the archiver reads topics at their own
+    pace: a checkpoint whose groups it has can still lack the step's record, which a resume there never writes
+    again (the run's lineage would miss the step)."""
+    from milestream.train import checkpoint  # torch: only a resume needs it
+
+    folders, latest, recorded = checkpoint.saved(run_dir), checkpoint.latest_step(run_dir), archived_trainer_steps(run_dir)
+    return [step for step, folder in folders.items()
+            if step <= latest and not past_archive(folder, ends) and recorded.issuperset(range(1, step + 1))]
+
+
+def past_archive(folder: Path, ends: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """partition -> (checkpoint offset, archive end) where the checkpoint at ``folder`` read past the archive."""
+    from milestream.train import checkpoint
+
+    return {p: (o, ends.get(p, 0)) for p, o in checkpoint.saved_offsets(folder).items() if o > ends.get(p, 0)}
+
+
 def trainer_within_archive(run_dir: str | Path, ends: dict[int, int]) -> TrainerPosition:
-    """The trainer's newest checkpoint whose buffer.groups offsets the archive holds, made the latest.
+    """The trainer's newest checkpoint the archive covers (``covered_checkpoints``), made the latest.
 
     A broker crash loses the archive's unflushed tail (more while the archiver was down). A checkpoint past
     that tail trained groups the log no longer has: resumed, the trainer would skip the new groups written at
     those offsets, and the run's lineage would miss the steps it took. So the trainer goes back to the newest
     checkpoint the archive covers and redoes the steps after it, as after its own kill between checkpoints;
     the newer checkpoints are deleted. Refused when no checkpoint is covered (a fresh start would redo the run)."""
-    from milestream.train import checkpoint  # torch: only a resume needs it
+    from milestream.train import checkpoint
 
     folders, latest = checkpoint.saved(run_dir), checkpoint.latest_step(run_dir)
-
-    def past(step: int) -> dict[int, tuple[int, int]]:
-        return {p: (o, ends.get(p, 0)) for p, o in checkpoint.saved_offsets(folders[step]).items() if o > ends.get(p, 0)}
-
-    covered = [step for step in folders if step <= latest and not past(step)]
+    covered = covered_checkpoints(run_dir, ends)
     if latest and not covered:  # the trainer would skip the first new groups at those offsets: refuse, loudly
-        raise ReplayError(f"every checkpoint of the trainer is past the archived buffer.groups (partition: "
-                          f"(checkpoint, archive end)) {past(latest)}: the broker was lost before the archive caught up")
+        raise ReplayError(f"no checkpoint of the trainer is covered by the archive: the latest read buffer.groups "
+                          f"past it (partition: (checkpoint, archive end)) {past_archive(folders[latest], ends)} or "
+                          f"its step records are missing; the broker was lost before the archive caught up")
     if latest and covered[-1] != latest:
         deleted = checkpoint.roll_back(run_dir, covered[-1])
-        log.warning("the trainer's checkpoints of steps %s are past the archived buffer.groups (lost with the broker): "
-                    "it resumes from step %d and redoes the steps after it", deleted, covered[-1])
+        log.warning("the trainer's checkpoints of steps %s are past the archive (their groups or step records were "
+                    "lost with the broker): it resumes from step %d and redoes the steps after it", deleted, covered[-1])
     return trainer_position(run_dir)
 
 

@@ -3,18 +3,14 @@ a redone step's later record wins, a group's first drop wins, fates against the 
 and an audit that fails a group both trained and dropped; the reader's bad-record policies."""
 from __future__ import annotations
 
-import json
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from archives import write_archive
 
-from milestream.log.archive import ROW_SCHEMA, archive_dir
 from milestream.log.audit import audit_run
 from milestream.log.lineage import BUFFERED, DROPPED, LOST, TRAINED, Lineage, lineage_of
 from milestream.log.reader import SkipBadRecords, read_archive
 from milestream.schemas import topics
-from milestream.schemas.codec import Position, RecordError, encode
+from milestream.schemas.codec import Position, RecordError
 from milestream.schemas.records import Dropped, GroupManifest, Metrics, Record
 from milestream.train.checkpoint import TrainerState
 
@@ -30,23 +26,6 @@ def drop(group_id: str, reason: str, by: str = "processor") -> Dropped:
 def sample(group_id: str) -> GroupManifest:
     return GroupManifest(f"{group_id}/0", group_id, group_id.split("#")[0], 0, 1, 0.0, "completed", "e", "w", 0.0, 0.0,
                          1, 1, 0, 0, 0, 0, 0, 0, 0, [], [])
-
-
-def write_archive(run_dir, messages: dict[topics.TopicSpec, list[Record | bytes]]) -> None:
-    """One segment per topic, every message on partition 0 at offsets 0, 1, ... (raw bytes as given), under
-    the manifest the archiver writes first."""
-    archive_dir(run_dir).mkdir(parents=True)
-    (archive_dir(run_dir) / "manifest.json").write_text(json.dumps({"topic_prefix": "", "topics": {
-        spec.name: {"partitions": 1, "max_message_bytes": spec.max_message_mb * 1024 * 1024}
-        for spec in topics.CATALOGUE}}))
-    for spec, values in messages.items():
-        folder = archive_dir(run_dir) / spec.name
-        folder.mkdir(parents=True)
-        rows = [{"topic": spec.name, "partition": 0, "offset": offset, "timestamp_ms": 1000 + offset,
-                 "timestamp_type": 1, "key": None, "schema_id": None, "headers": None,
-                 "value": value if isinstance(value, bytes) else encode([value])}
-                for offset, value in enumerate(values)]
-        pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), folder / "000000000000.parquet")
 
 
 def observed(*records: Record) -> Lineage:
