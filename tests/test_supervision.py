@@ -29,6 +29,7 @@ from milestream.log.reader import read_archive
 from milestream.log.restore import covered_checkpoints
 from milestream.infra.kafka import RecordConsumer
 from milestream.schemas import topics
+from milestream.streams.processor import app_id
 
 PROCESSOR_KILLS_AT_GROUPS = (2, 5, 8)  # SIGKILL the processor once this many groups have been emitted
 
@@ -44,10 +45,6 @@ class EmittedGroups:
     def count(self) -> int:
         self.ids.update(d.records[0].group_id for d in self.reader.drain(idle_s=0.2, max_wait_s=5.0))
         return len(self.ids)
-
-
-def archived(run_dir: Path, spec) -> list:
-    return [record for m in read_archive(run_dir, spec) for record in m.records]
 
 
 def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypatch):
@@ -97,11 +94,17 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypa
     trained, emitted = lineage.training(), lineage.emitted.keys()
     dropped = {g: d.reason for g, d in lineage.drops.items()}
     samples = collections.defaultdict(set)  # a prompt admitted again after the crash is generated again
-    for t in archived(run_dir, topics.TRAJECTORIES):
-        samples[t.group_id].add(t.sample_index)
+    # where the processor stopped reading: a group the worker finished while the stages stopped waits there
+    read_up_to = ArchiveState.load(run_dir).groups[app_id(live)][topics.TRAJECTORIES.name]
+    unread = set()
+    for message in read_archive(run_dir, topics.TRAJECTORIES):
+        for t in message.records:
+            samples[t.group_id].add(t.sample_index)
+            if message.offset >= read_up_to.get(message.partition, 0):
+                unread.add(t.group_id)
     complete = {g for g, indices in samples.items() if len(indices) == cfg.rollout.group_size}
-    # every complete group was trained, dropped with a reason, or waits on buffer.groups
-    assert complete <= trained.keys() | dropped.keys() | emitted
+    # every complete group was trained, dropped with a reason, or waits on buffer.groups or the processor's input
+    assert complete <= trained.keys() | dropped.keys() | emitted | unread
     assert trained.keys() <= emitted
     print(f"{len(complete)} complete groups: {len(trained)} trained, {len(dropped)} dropped "
           f"{collections.Counter(dropped.values())}, {len(emitted - trained.keys() - dropped.keys())} left buffered")

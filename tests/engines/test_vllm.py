@@ -28,7 +28,7 @@ from milestream_testkit.vllm_server import VllmServer, VllmUnavailable
 MODEL = ModelConfig(lora_rank=0)  # SmolLM2-135M-Instruct, served whole
 # -O0: no compilation at start (minutes on a loaded 2-core machine); what is tested does not depend on it
 CFG = Config(model=MODEL, run={"control_token": CONTROL_TOKEN}, rollout={"max_batch": 8}, vllm={"extra_args": ["-O0"]})
-LONG = 1000  # tokens a request in flight is asked for
+LONG = 300  # tokens a request in flight is asked for (paused after its first chunk, so it never finishes early)
 
 
 @pytest.fixture(scope="module")
