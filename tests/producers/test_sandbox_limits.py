@@ -192,13 +192,27 @@ print(buffer.raw[:size].decode() if size >= 0 else "refused " + str(ctypes.get_e
     assert run.stdout.startswith("refused") and payload.decode() not in run.stdout + run.stderr, run
 
 
+# four processes print; each waits for its children, which the end of the call would otherwise kill unprinted
+FORK_TWICE_AND_WAIT = """
+import os
+os.fork()
+os.fork()
+print('ran', flush=True)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+
+
 def test_each_call_has_its_own_cgroup_gone_afterwards():
     parents = call_cgroup.cgroup_parents()
     assert isinstance(parents, call_cgroup.CgroupParents), parents
     ours = f"{call_cgroup.LEAF_PREFIX}{os.getpid()}-"
     with Sandbox() as sandbox:
         assert sandbox.run_python("print('ran')").stdout == "ran\n"
-        assert sandbox.run_python("import os; os.fork(); os.fork(); print('ran')").stdout.count("ran") == 4
+        assert sandbox.run_python(FORK_TWICE_AND_WAIT).stdout.count("ran") == 4
     assert [leaf for folder in {parents.memory, parents.pids} for leaf in folder.iterdir()
             if leaf.name.startswith(ours)] == []
 
