@@ -32,6 +32,7 @@ def test_merged_weights_are_what_peft_merges() -> None:
 def test_a_lora_version_reaches_http_engines_as_whole_merged_weights(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = load_model(LORA, dtype=torch.float32)
+    torch.manual_seed(0)
     adapters = {n: torch.randn_like(t) * 0.1 for n, t in trainable_state_dict(trainer).items()}
     load_trainable_state_dict(trainer, adapters)
     posted: list[tuple[Path, int]] = []
@@ -47,4 +48,7 @@ def test_a_lora_version_reaches_http_engines_as_whole_merged_weights(tmp_path: P
     server_model = load_model(WHOLE, dtype=torch.float32)
     load_trainable_state_dict(server_model, tensors)  # every name of the whole model, nothing else
     with torch.no_grad():
-        torch.testing.assert_close(server_model(PROBE).logits, trainer(PROBE).logits, atol=1e-5, rtol=0)
+        served, trained, base = server_model(PROBE).logits, trainer(PROBE).logits, load_model(WHOLE, dtype=torch.float32)(PROBE).logits
+    # x(W + BA) and xW + (xB)A round differently in float32: equal to 1e-4, while the adapters moved logits far more
+    torch.testing.assert_close(served, trained, atol=1e-4, rtol=0)
+    assert (trained - base).abs().max() > 100 * 1e-4
