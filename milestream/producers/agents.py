@@ -10,7 +10,11 @@ loopback, one per worker process, up while an episode is open), with an api key 
 an agent reaches its own episode and no other. The agent gets that url, the key and the ``Prompt``
 (``prompt.question``); a sync agent runs in a thread of its own, an async one on the worker's loop, and
 either has ``rollout.agent_timeout_s`` to return. What it returns is the answer the reward scores: a
-string, or None for the content of the sample's last assistant message. The sample is the session's
+string, or None for the content of the sample's last assistant message; or ``{"answer": ..., "reward": ...}``
+to report the episode's reward itself (a number, or a dict of named numbers as ``reward.fn`` may return;
+the configured reward is then not asked, and a reward that is not a finite number is the sample's reward
+error). The configured reward reads the episode's whole conversation as ``RewardSample.transcript``.
+The sample is the session's
 latest leaf (the conversation the agent's last request continued): the exact ids the engine saw and
 generated, loss mask 1 over generated tokens only. Sampling is the run's: a request may lower
 ``max_tokens`` but not raise it past ``rollout.max_new_tokens``, nor change the temperature (400).
@@ -42,6 +46,7 @@ from aiohttp import hdrs, web
 from milestream.engines.engine import Engine, FinishReason, GenerateResult, SamplingParams
 from milestream.engines.http_api import Guard, authorization
 from milestream.infra.secret_env import ControlToken
+from milestream.producers.rewards import Reward, as_reward
 from milestream.producers.rollout import RolloutContext, Sample, runs_agent_fn, session_sample, worst_finish
 from milestream.producers.sessions.openai_api import (ContextTooLong, SamplingRules, chat_completion, models_reply,
                                                       openai_error)
@@ -173,7 +178,7 @@ async def openai_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) -
     model = cfg.model.path or cfg.model.name
     episode = AgentEpisode(request_id, secrets.token_urlsafe(24), session, backend, rules, model)
     async with served(uuid.uuid4().hex, episode) as base_url:
-        result = await _run_agent(ctx, episode, base_url, prompt)
+        result, reported = _reported(ctx, episode, await _run_agent(ctx, episode, base_url, prompt))
     leaves = session.samples()
     if not leaves:
         raise AgentFailed(f"rollout.agent_fn {cfg.rollout.agent_fn} ended episode {request_id} without calling the "
@@ -183,11 +188,33 @@ async def openai_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) -
     if result is None:
         result = replies[-1].get("content") or ""
     calls = sum(len(message.get("tool_calls") or ()) for message in replies)
-    return session_sample(leaf, backend.finish_reason, result, len(replies), calls)
+    return session_sample(leaf, backend.finish_reason, result, len(replies), calls, reported)
 
 
-async def _run_agent(ctx: RolloutContext, episode: AgentEpisode, base_url: str, prompt: Prompt) -> str | None:
-    """The agent's result (a string or None) within ``rollout.agent_timeout_s``; AgentFailed if it fails
+def _reported(ctx: RolloutContext, episode: AgentEpisode, result: Any) -> tuple[str | None, Reward | None]:
+    """(the answer, the reward the agent reported) of what it returned; AgentFailed for another shape."""
+    name = ctx.cfg.rollout.agent_fn
+    if result is None or isinstance(result, str):
+        return result, None
+    if not isinstance(result, dict) or not result.keys() <= {"answer", "reward"}:
+        shape = f"a dict with {sorted(map(str, result))}" if isinstance(result, dict) else f"a {type(result).__name__}"
+        raise AgentFailed(f"rollout.agent_fn {name} returned {shape} in episode {episode.request_id}: expected the "
+                          "answer text, None (the last assistant message), or {\"answer\": ..., \"reward\": ...}")
+    answer = result.get("answer")
+    if answer is not None and not isinstance(answer, str):
+        raise AgentFailed(f"rollout.agent_fn {name} returned an answer of type {type(answer).__name__} in episode "
+                          f"{episode.request_id}: expected a string or None")
+    if "reward" not in result:
+        return answer, None
+    try:
+        return answer, as_reward(result["reward"], ctx.cfg.reward.key)
+    except TypeError as exc:
+        return answer, Reward(0.0, error=f"rollout.agent_fn {name} reported a reward in episode "
+                                         f"{episode.request_id} that is not one: {exc}"[:500])
+
+
+async def _run_agent(ctx: RolloutContext, episode: AgentEpisode, base_url: str, prompt: Prompt) -> Any:
+    """What the agent returned within ``rollout.agent_timeout_s``; AgentFailed if it fails
     before the episode ran out of context (after that, what it does no longer matters)."""
     name, timeout_s = ctx.cfg.rollout.agent_fn, ctx.cfg.rollout.agent_timeout_s
     agent = _call(ctx.agent, base_url, episode.api_key, prompt)
@@ -205,9 +232,6 @@ async def _run_agent(ctx: RolloutContext, episode: AgentEpisode, base_url: str, 
     except Exception as exc:
         raise AgentFailed(f"rollout.agent_fn {name} failed in episode {episode.request_id}: "
                           f"{type(exc).__name__}: {exc}") from exc
-    if result is not None and not isinstance(result, str):
-        raise AgentFailed(f"rollout.agent_fn {name} returned a {type(result).__name__}: expected the answer text "
-                          "(a string) or None (the last assistant message is the answer)")
     return result
 
 

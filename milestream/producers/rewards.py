@@ -3,7 +3,8 @@
 One of, chosen in ``RewardConfig``:
 
 - ``verifier``: ``answer_tag`` (the reasoning-gym demo's scorer), ``math``, ``exact_match``, ``regex``;
-- ``fn``: ``fn(sample: RewardSample) -> float | dict[str, float]``, sync or async;
+- ``fn``: ``fn(sample: RewardSample) -> float | dict[str, float]``, sync or async (an episode's whole
+  conversation is ``sample.transcript``);
 - ``group_fn``: ``fn(samples: list[RewardSample]) -> list[float | dict[str, float]]`` (pairwise, reward models);
 - ``url``: a reward service. It gets ``POST {"samples": [RewardSample as JSON, ...]}`` (one group) and
   answers ``{"rewards": [float | {name: float}, ...]}`` in the same order; timeouts, connection errors and
@@ -60,6 +61,9 @@ class RewardSample:
     finish_reason: str = "stop"  # stop | length | abort
     turns: int = 1
     tool_calls: int = 0
+    # a multi-turn episode's whole conversation (system and prompt first; assistant turns with their tool_calls,
+    # tool results); empty for a single completion
+    transcript: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
     def of(cls, cfg: Config, prompt: Prompt, label: str | None, metadata: Mapping[str, Any], **generated: Any

@@ -51,6 +51,8 @@ class Sample:
     # rollout.logprobs_topk, single turn on an engine that records them: each token's k likeliest ids, log-probs
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
+    transcript: list[dict] | None = None  # an episode's whole conversation: every turn, tool calls and results
+    reported: Reward | None = None  # the reward its agent reported for the episode: the configured one is not asked
 
 
 @dataclass
@@ -120,8 +122,11 @@ class RolloutContext:
         object.__setattr__(self, "reward_model", load_reward(self.cfg))
 
     async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> list[Reward]:
-        """The configured reward of samples of one prompt (for a group reward: the whole group)."""
-        rewards = await self.reward_model([self.reward_sample(prompt, sample) for sample in samples])
+        """Each sample's reward: the one its agent reported, else the configured reward's (a group reward is
+        asked once, for the samples with none reported)."""
+        asked = [self.reward_sample(prompt, sample) for sample in samples if sample.reported is None]
+        scored = iter(await self.reward_model(asked) if asked else ())
+        rewards = [next(scored) if sample.reported is None else sample.reported for sample in samples]
         for reward in rewards:
             self.reward_figures.add(reward)
         return rewards
@@ -129,7 +134,8 @@ class RolloutContext:
     def reward_sample(self, prompt: Prompt, sample: Sample) -> RewardSample:
         return RewardSample.of(self.cfg, prompt, *reward_inputs(self.cfg, prompt), response=sample.answer_text,
                                prompt_ids=tuple(sample.prompt_ids), response_ids=tuple(sample.response_ids),
-                               finish_reason=sample.finish_reason, turns=sample.turns, tool_calls=sample.tool_calls)
+                               finish_reason=sample.finish_reason, turns=sample.turns, tool_calls=sample.tool_calls,
+                               transcript=tuple(sample.transcript or ()))
 
 
 @dataclass(frozen=True)
@@ -214,10 +220,11 @@ async def agent_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) ->
 
 
 def session_sample(leaf: SessionSample, finish_reason: FinishReason, answer_text: str, turns: int,
-                   tool_calls: int) -> Sample:
-    """A session's leaf as the trajectory the trainer gets."""
+                   tool_calls: int, reported: Reward | None = None) -> Sample:
+    """A session's leaf as the trajectory the trainer gets, its conversation the transcript a reward reads."""
     return Sample(leaf.prompt_ids, leaf.response_ids, leaf.loss_mask, leaf.logprobs, _carry_versions(leaf.versions),
-                  finish_reason, answer_text, turns=turns, tool_calls=tool_calls)
+                  finish_reason, answer_text, turns=turns, tool_calls=tool_calls, transcript=leaf.messages,
+                  reported=reported)
 
 
 class EpisodeTooLong(Exception):

@@ -37,3 +37,9 @@ def pairwise(samples) -> list[float]:
 
 async def pairwise_graded(samples) -> list[dict[str, float]]:
     return [{"longest": value, "bonus": 0.5} for value in pairwise(samples)]
+
+
+def tool_use(sample) -> dict[str, float]:
+    """Reads the episode's whole conversation: a point for each tool result it holds, one for the answer."""
+    results = sum(message["role"] == "tool" for message in sample.transcript)
+    return {"tool_results": float(results), "answered": float(sample.label in sample.response)}

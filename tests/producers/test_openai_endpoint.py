@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -157,6 +158,48 @@ def test_concurrent_episodes_do_not_mix(make_engine: Callable[..., CpuEngine],
                                      one.versions + two.versions))
         assert sample.prompt_ids + sample.response_ids[:len(second.input_ids) - len(first.input_ids)] == \
             list(second.input_ids)
+
+
+def test_a_reward_reads_the_transcript_or_the_agent_reports_its_own(tokenizer: PreTrainedTokenizerBase,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """reward.fn reads the episode's conversation (the tool's turn included); an agent that reports a reward
+    is not scored by the configured one; a reported reward that is not a number is that sample's reward error,
+    and a result of another shape fails the episode, naming what came back."""
+    from examples.openai_agent.agent import solve
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "plugins"))
+    task = prompt("Solve this problem: 4 + 7 =", "11")
+
+    def reports(reward: Any) -> Callable[..., dict]:
+        def agent(base_url: str, api_key: str, given: Prompt) -> dict:
+            return {"answer": solve(base_url, api_key, given), "reward": reward}
+        return agent
+
+    cfg = agent_cfg().with_overrides(reward={"fn": "reward_hooks:tool_use"})
+    ctx = context(cfg, CalculatorScript(tokenizer), tokenizer)
+    sample = asyncio.run(openai_episode(ctx, task, "g#0/0"))
+    assert [message["role"] for message in sample.transcript] == ["system", "user", "assistant", "tool", "assistant"]
+    (scored,) = asyncio.run(ctx.score(task, [sample]))
+    assert scored.components == {"tool_results": 1.0, "answered": 1.0} and scored.value == 2.0
+
+    for reported, expected in ((0.25, (0.25, {})), ({"judge": 0.5, "style": 0.25}, (0.75, {"judge": 0.5, "style": 0.25}))):
+        ctx = dataclass_replace_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), reports(reported))
+        sample = asyncio.run(openai_episode(ctx, task, "g#0/1"))
+        (reward,) = asyncio.run(ctx.score(task, [sample]))
+        assert (reward.value, dict(reward.components), reward.error) == (*expected, "")
+        assert sample.answer_text == "<answer>11</answer>"
+
+    ctx = dataclass_replace_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), reports(float("nan")))
+    (reward,) = asyncio.run(ctx.score(task, [asyncio.run(openai_episode(ctx, task, "g#0/2"))]))
+    assert "reported a reward in episode g#0/2" in reward.error and "nan" in reward.error
+
+    def odd_shape(base_url: str, api_key: str, given: Prompt) -> dict:
+        solve(base_url, api_key, given)
+        return {"answer": "11", "score": 1.0}
+
+    ctx = dataclass_replace_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), odd_shape)
+    with pytest.raises(AgentFailed, match=r"returned a dict with \['answer', 'score'\] in episode g#0/3"):
+        asyncio.run(openai_episode(ctx, task, "g#0/3"))
 
 
 def dataclass_replace_agent(ctx: RolloutContext, agent: Callable[..., Any]) -> RolloutContext:
