@@ -63,19 +63,28 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 20.0
 TRAINER_STOP_GRACE_S = 120.0  # time to finish its step
 SERVICE_LOST_GRACE_S = 2.0
+# After a lost service every stage starts again at once. On two cores the stages off the path to the next step
+# (the page, the trackers, the verifier, a dedicated evaluator: each imports torch, the evaluator loads the model)
+# would take CPU from the trainer's and the rollout workers' starts, so they wait for the first trainer step
+# after the recovery, or SIDE_STAGE_WAIT_S at most. What they read waits for them on the log.
+SIDE_STAGES = ("metrics", "tracker", "verifier", "evaluator")
+SIDE_STAGE_WAIT_S = 60.0
 
 
 class Child:
     """A stage running as ``python -m milestream.cli COMMAND --config run_dir/config.yaml``, with the
     configuration's secrets (which that file never holds) in its environment ``env``."""
 
-    def __init__(self, name: str, command: list[str], config_path: Path, log_dir: Path, env: dict[str, str]):
+    def __init__(self, name: str, command: list[str], config_path: Path, log_dir: Path, env: dict[str, str],
+                 deferred: bool = False):
         self.name = name
         self.argv = [sys.executable, "-m", "milestream.cli", *command, "--config", str(config_path)]
         self.env = env
         self.log_path = log_dir / f"{name}.log"
         self.lives = 0
-        self.start()
+        self.proc: subprocess.Popen | None = None  # None: deferred, not started yet
+        if not deferred:
+            self.start()
 
     def start(self) -> None:
         """Start (again): every life appends to the stage's one log."""
@@ -131,8 +140,11 @@ def rollout_stages(cfg: Config, index: int) -> list[tuple[str, list[str]]]:
             (f"rollout-{index}", [*worker, "--set", f"rollout.engine_url=http://127.0.0.1:{port}"])]
 
 
-def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Child], Child]:
-    prepare(cfg)
+def start_stages(cfg: Config, config_path: Path, log_dir: Path, recovering: bool = False) -> tuple[list[Child], Child]:
+    """Every stage of the run; ``recovering`` (after a lost service): the model cache is built already, and the
+    SIDE_STAGES are made deferred (started by ``follow``)."""
+    if not recovering:
+        prepare(cfg)
     Admin(cfg.broker).create_topics()
     ledger = BufferLedger(cfg)
     ledger.initialise()
@@ -140,7 +152,7 @@ def start_stages(cfg: Config, config_path: Path, log_dir: Path) -> tuple[list[Ch
     env = stage_environment(cfg)
 
     def child(name: str, command: list[str]) -> Child:
-        return Child(name, command, config_path, log_dir, env)
+        return Child(name, command, config_path, log_dir, env, deferred=recovering and name in SIDE_STAGES)
 
     children = [child("archiver", ["archive"])] if cfg.run.archive else []
     children += [child("loader", ["load-prompts", "--follow"]), child("processor", ["process"])]
@@ -172,6 +184,7 @@ class Monitor:
 
     def __init__(self, cfg: Config, printed: set[int], printed_evals: set[tuple[str, int, float]], started: float):
         self.cfg, self.printed, self.printed_evals, self.started = cfg, printed, printed_evals, started
+        self.last_step_ts = 0.0  # the trainer's newest step record (epoch seconds)
         self.lineage = Lineage()
         self.ledger = BufferLedger(cfg)
         # the stage that reads these topics in every run: it dead-letters what none of the run's stages wrote
@@ -194,6 +207,8 @@ class Monitor:
         for item in items:
             self.lineage.observe(item.record, item.position)
         for record in (item.record for item in items if item.spec == topics.METRICS):
+            if record.source == "trainer":
+                self.last_step_ts = max(self.last_step_ts, record.ts)
             if record.source == "trainer" and record.step not in self.printed:
                 self.printed.add(record.step)
                 print_step(self.cfg, self.lineage.steps[record.step], self.lineage,
@@ -217,6 +232,8 @@ def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child
     count."""
     check_services(live)
     for child in children:
+        if child.proc is None:
+            continue
         code = child.proc.poll()
         if code is None or (child is trainer and (code == 0 or stopping)):
             continue
@@ -230,22 +247,33 @@ def supervise(cfg: Config, live: Services, children: list[Child], trainer: Child
 
 
 def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, monitor: Monitor) -> str:
-    """Watch until the trainer finishes, restarting stages that die; returns why the run ended."""
+    """Watch until the trainer finishes, restarting stages that die and starting the deferred ones; returns why
+    the run ended."""
     stopped_by = "steps"
+    since, deferred = time.time(), [child for child in children if child.proc is None]
     while (code := trainer.proc.poll()) != 0 and not (code is not None and stopped_by == "wall_budget"):
         try:
             monitor.poll()  # its check asks the ledger whether a dropped group was sent
         except Exception:
             check_services(live)  # Redis died under that question: recovered as any service loss
             raise
+        if deferred and (monitor.last_step_ts > since or time.time() - since > SIDE_STAGE_WAIT_S):
+            deferred = _started(deferred)
         # told to stop at the wall budget, a trainer that dies is not started again: the run is over
         supervise(cfg, live, children, trainer, stopping=stopped_by == "wall_budget")
         if stopped_by == "steps" and time.monotonic() - monitor.started > cfg.run.max_wall_s:
             print(f"run.max_wall_s ({cfg.run.max_wall_s:.0f}s) reached: the trainer finishes its step and stops", flush=True)
             trainer.proc.terminate()
             stopped_by = "wall_budget"
+    _started(deferred)  # a tracker or the page has the run's last steps to write even so
     monitor.poll(drain=True)  # the trainer flushed everything before exiting
     return stopped_by
+
+
+def _started(deferred: list[Child]) -> list[Child]:
+    for child in deferred:
+        child.start()
+    return []
 
 
 def print_step(cfg: Config, record: Metrics, lineage: Lineage, elapsed: float) -> None:
@@ -276,11 +304,12 @@ def stop_stages(children: list[Child], trainer: Child, keep: tuple[str, ...] = (
 
     stopping = [child for child in children if child.name not in keep]
     for wave in ([c for c in stopping if c.name != "archiver"], [c for c in stopping if c.name == "archiver"]):
-        for child in wave:
+        started = [child for child in wave if child.proc is not None]
+        for child in started:
             if child.proc.poll() is None:
                 child.proc.terminate()
         told = time.monotonic()
-        for child in wave:
+        for child in started:
             wait_or_kill(child.proc, grace(child) - (time.monotonic() - told))
 
 
@@ -394,8 +423,9 @@ def run_loop(cfg: Config) -> dict:
         if cfg.run.archive and not cfg.broker.bootstrap_servers and (run_dir / "archive" / "manifest.json").exists():
             # an embedded Redis started with this process: it holds nothing of the run
             resume_from_archive(live.cfg, run_dir, fresh_ledger=live.redis is not None)
+        recovering = False
         while True:
-            children, trainer = start_stages(live.cfg, config_path, log_dir)
+            children, trainer = start_stages(live.cfg, config_path, log_dir, recovering)
             monitor = Monitor(live.cfg, printed, printed_evals, started)
             service_lost = False
             try:
@@ -413,6 +443,7 @@ def run_loop(cfg: Config) -> dict:
                 monitor.close()
                 stop_stages(children, trainer, service_lost=service_lost)
             recover(live, run_dir)
+            recovering = True
         buffer = BufferLedger(live.cfg).balance()
         summary = write_report(run_dir, monitor.lineage, time.monotonic() - started, stopped_by=stopped_by,
                                evals=evals, eval_name=cfg.eval.name, buffer=buffer)

@@ -19,6 +19,7 @@ import pytest
 
 from milestream.config import load_config
 from milestream.infra.redis_client import redis_client
+from milestream.orchestrator import SIDE_STAGE_WAIT_S
 from milestream_testkit.chaos import broker_pids, redis_pids, sigkill, stage_pids
 from stage_runs import print_logs_unless_done, running, start_run, wait_for
 from holds import Holds
@@ -32,6 +33,12 @@ from milestream.schemas import topics
 from milestream.streams.processor import app_id
 
 PROCESSOR_KILLS_AT_GROUPS = (2, 5, 8)  # SIGKILL the processor once this many groups have been emitted
+
+
+def life_starts(stage_log: Path) -> list[float]:
+    """When each life of a stage began (its log's ``==== life N`` lines, whole seconds)."""
+    return [time.mktime(time.strptime(line.split(" ", 3)[3], "%Y-%m-%d %H:%M:%S"))
+            for line in stage_log.read_text(errors="replace").splitlines() if line.startswith("==== life ")]
 
 
 class EmittedGroups:
@@ -85,6 +92,11 @@ def test_run_survives_processor_kills_and_a_broker_crash(cfg, tmp_path, monkeypa
     processor_log = (run_dir / "logs" / "processor.log").read_text()
     # three kills restarted by supervision, then one more life after the broker came back
     assert processor_log.count("==== life") >= len(PROCESSOR_KILLS_AT_GROUPS) + 2
+    # after the crash the verifier (off the path to a step) waited for the first step, or SIDE_STAGE_WAIT_S
+    trainer_back = life_starts(run_dir / "logs" / "trainer.log")[-1]
+    first_step_back = min(m.ts for m in archived_lineage(run_dir).steps.values() if m.ts >= trainer_back)
+    verifier_back = life_starts(run_dir / "logs" / "verifier.log")[1]
+    assert verifier_back >= min(first_step_back, trainer_back + SIDE_STAGE_WAIT_S) - 1  # whole seconds in the logs
 
     # the durable log of the whole run, both brokers, as the archive holds it
     lineage = archived_lineage(run_dir)  # a resumed trainer redoes the steps after its checkpoint

@@ -24,6 +24,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate one arithmetic expression, e.g. 12 * (3 - 5).",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
 }}]
+RESPONSE_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's shape of the same tool
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -39,15 +40,35 @@ def solve(base_url: str, api_key: str, prompt) -> str:
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
         messages.append(reply)
         if not reply.tool_calls:
-            numbers = _NUMBER.findall(reply.content or "")
-            return f"<answer>{numbers[-1]}</answer>" if numbers else ""
+            return answer(reply.content or "")
         for call in reply.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function)})
     return ""
 
 
+def solve_with_responses(base_url: str, api_key: str, prompt) -> str:
+    """``solve`` written against the Responses API (``client.responses.create``): the same episode, the
+    conversation sent whole each turn (the previous input, the response's output, the tools' outputs)."""
+    client = OpenAI(base_url=base_url, api_key=api_key)
+    items: list = [{"role": "user", "content": getattr(prompt, "question", prompt)}]
+    for _ in range(MAX_TURNS):
+        response = client.responses.create(model="policy", instructions=SYSTEM, input=items, tools=RESPONSE_TOOLS)
+        items += response.output
+        calls = [item for item in response.output if item.type == "function_call"]
+        if not calls:
+            return answer(response.output_text)
+        items += [{"type": "function_call_output", "call_id": call.call_id, "output": run_tool(call)} for call in calls]
+    return ""
+
+
+def answer(text: str) -> str:
+    """The reply's last number in the task's answer tags ("" when it has none)."""
+    numbers = _NUMBER.findall(text)
+    return f"<answer>{numbers[-1]}</answer>" if numbers else ""
+
+
 def run_tool(function) -> str:
-    """The text a call gives back: the result, or an error the model can read (never an exception)."""
+    """The text a call (its ``name`` and ``arguments``) gives back: the result, or an error the model can read (never an exception)."""
     try:
         expression = json.loads(function.arguments)["expression"]
         return str(calculate(ast.parse(expression, mode="eval").body))

@@ -5,7 +5,8 @@
       agent_fn: examples.openai_agent.agent:solve   # (base_url, api_key, prompt) -> the answer, sync or async
 
 Each sample is one episode: a token-in-token-out session served as OpenAI's API at ``base_url``
-(``http://127.0.0.1:PORT/episodes/ID/v1``, sessions/openai_api.py) by the worker's episode server (on
+(``http://127.0.0.1:PORT/episodes/ID/v1``: chat completions, sessions/openai_api.py, and responses,
+sessions/responses_api.py) by the worker's episode server (on
 loopback, one per worker process, up while an episode is open), with an api key of the episode's own, so
 an agent reaches its own episode and no other. The agent gets that url, the key and the ``Prompt``
 (``prompt.question``); a sync agent runs in a thread of its own, an async one on the worker's loop, and
@@ -36,7 +37,7 @@ import inspect
 import secrets
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -50,6 +51,7 @@ from milestream.producers.rewards import Reward, as_reward
 from milestream.producers.rollout import RolloutContext, Sample, runs_agent_fn, session_sample, worst_finish
 from milestream.producers.sessions.openai_api import (ContextTooLong, SamplingRules, chat_completion, models_reply,
                                                       openai_error)
+from milestream.producers.sessions.responses_api import responses
 from milestream.producers.sessions.server import EngineBackend
 from milestream.producers.sessions.templates import chat_template
 from milestream.producers.sessions.tito import TokenSession
@@ -119,15 +121,22 @@ class EpisodeServer:
         guard = Guard(ControlToken(secrets.token_hex(16), "none: every route takes its episode's key"), LOOPBACK)
         app = web.Application(middlewares=[guard.middleware(lambda request: False, answer=openai_error)])
         app.add_routes([web.post("/episodes/{episode_id}/v1/chat/completions", self._chat_completions),
+                        web.post("/episodes/{episode_id}/v1/responses", self._responses),
                         web.get("/episodes/{episode_id}/v1/models", self._models)])
         return app
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._turn(request, chat_completion)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._turn(request, responses)
+
+    async def _turn(self, request: web.Request, api: Callable[..., Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         episode = self._episode(request)
         if isinstance(episode, web.Response):
             return episode
         generate = functools.partial(episode.backend.generate, routing_key=episode.request_id)
-        return await chat_completion(request, episode.session, generate, episode.rules, episode.model)
+        return await api(request, episode.session, generate, episode.rules, episode.model)
 
     async def _models(self, request: web.Request) -> web.Response:
         episode = self._episode(request)

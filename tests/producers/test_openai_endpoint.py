@@ -120,6 +120,43 @@ def test_a_tool_calling_episode_is_the_engines_tokens(tokenizer: PreTrainedToken
     assert {request.request_id.rsplit("/", 1)[0] for request, _ in engine.turns} == {"g#0/0"}  # one routing key
 
 
+def test_an_agent_on_the_responses_api_is_the_engines_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The same episode through ``client.responses.create``: the output items sent back as input are matched
+    to the exact ids the engine generated (one leaf), and a stateful request is refused naming its field."""
+    from examples.openai_agent.agent import solve_with_responses
+
+    engine = Recording(CalculatorScript(tokenizer))
+    ctx = dataclass_replace_agent(context(agent_cfg(), engine, tokenizer), solve_with_responses)
+    task = prompt("Solve this problem: 4 + 7 =", "11")
+    sample = asyncio.run(openai_episode(ctx, task, "g#0/0"))
+    [(first, called), (second, answered)] = engine.turns
+    appended = list(second.input_ids[len(first.input_ids) + len(called.output_ids):])
+    assert second.input_ids[:len(first.input_ids) + len(called.output_ids)] == first.input_ids + called.output_ids
+    assert "<|im_start|>tool\n11<|im_end|>" in tokenizer.decode(appended)
+    assert sample.prompt_ids == list(first.input_ids)
+    assert sample.response_ids == list(called.output_ids) + appended + list(answered.output_ids)
+    assert sample.loss_mask == [1] * len(called.output_ids) + [0] * len(appended) + [1] * len(answered.output_ids)
+    assert (sample.turns, sample.tool_calls, sample.answer_text) == (2, 1, "<answer>11</answer>")
+
+    refused: list[openai.BadRequestError] = []
+
+    def stateful(base_url: str, api_key: str, given: Prompt) -> str:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        first = client.responses.create(model="policy", input=given.question, max_output_tokens=8)
+        for asked in ({"previous_response_id": first.id}, {"stream": True}, {"max_output_tokens": 0},
+                      {"input": [{"role": "user", "content": "Hi"}, {"type": "web_search_call", "id": "ws_1"}]}):
+            try:
+                client.responses.create(model="policy", **{"input": "And then?", **asked})
+            except openai.BadRequestError as exc:
+                refused.append(exc)
+        return first.output_text
+
+    ctx = dataclass_replace_agent(context(agent_cfg(), CalculatorScript(tokenizer), tokenizer), stateful)
+    asyncio.run(openai_episode(ctx, task, "g#0/1"))
+    assert [exc.body["param"] for exc in refused] == ["previous_response_id", "stream", "max_output_tokens",
+                                                      "input[1].type"]
+
+
 def test_concurrent_episodes_do_not_mix(make_engine: Callable[..., CpuEngine],
                                         tokenizer: PreTrainedTokenizerBase) -> None:
     """Eight async agents at once, two turns each, on the tiny policy: each sample is its own conversation

@@ -4,8 +4,9 @@
     POST   /sessions/{id}/chat      {"messages", "tools"?, "sampling"?}     -> {"message", "finish_reason", ...}
     GET    /sessions/{id}/samples                                           -> {"samples": [SessionSample, ...]}
     DELETE /sessions/{id}                                                   -> {"samples": [...]} (the last look)
-    POST   /sessions/{id}/v1/chat/completions, GET /sessions/{id}/v1/models: OpenAI's API on the session
-           (openai_api.py): ``openai.OpenAI(base_url=".../sessions/{id}/v1", api_key=TOKEN)``
+    POST   /sessions/{id}/v1/chat/completions, POST /sessions/{id}/v1/responses, GET /sessions/{id}/v1/models:
+           OpenAI's API on the session (openai_api.py, responses_api.py):
+           ``openai.OpenAI(base_url=".../sessions/{id}/v1", api_key=TOKEN)``
 
 A chat turn sends the session's exact prompt ids to the backend with the session id as the routing
 key (a cache-affine router keeps every turn of a session on one engine) and stops at the
@@ -42,6 +43,7 @@ from milestream.config import Config, RolloutConfig, import_path
 from milestream.engines.engine import Engine, GenerateRequest, GenerateResult, SamplingParams
 from milestream.engines.http_api import Guard, serve_app
 from milestream.producers.sessions.openai_api import SamplingRules, chat_completion, models_reply
+from milestream.producers.sessions.responses_api import responses
 from milestream.producers.sessions.templates import ChatTemplate, TemplateError, chat_template
 from milestream.producers.sessions.tito import MATCH_LEVELS, MatchLevel, TokenSession
 
@@ -102,6 +104,7 @@ class SessionService:
             web.get("/sessions/{session_id}/samples", self.samples),
             web.delete("/sessions/{session_id}", self.close),
             web.post("/sessions/{session_id}/v1/chat/completions", self.chat_completions),
+            web.post("/sessions/{session_id}/v1/responses", self.responses),
             web.get("/sessions/{session_id}/v1/models", self.models),
         ])
         return app
@@ -145,6 +148,12 @@ class SessionService:
         with self._turn_running(session_id):
             generate = functools.partial(self.backend.generate, routing_key=session_id)
             return await chat_completion(request, session, generate, self.openai_rules, self.model)
+
+    async def responses(self, request: web.Request) -> web.Response:
+        session_id, session = self._session(request)
+        with self._turn_running(session_id):
+            generate = functools.partial(self.backend.generate, routing_key=session_id)
+            return await responses(request, session, generate, self.openai_rules, self.model)
 
     async def models(self, request: web.Request) -> web.Response:
         self._session(request)
