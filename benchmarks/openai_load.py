@@ -12,6 +12,9 @@ same concurrency. Prints one JSON line:
   errors / timeouts       turns that failed, and of those, turns with no reply within --timeout-s
   p50_ms / p99_ms         latency of one turn; baseline: of one /generate of the same input
   turns_s, wall_s         over the whole load; ratio_*: through the endpoint over straight
+  endpoint_with_aiohttp   the same episodes through the endpoint again, each request the same JSON sent with aiohttp
+                          (the baseline's client library): what the endpoint costs without the openai client's
+                          own CPU on the same cores; ratio_*_aiohttp: it over straight
   tito_broken             episodes whose sample is not one leaf (a turn's history was not matched: re-tokenized)
   cpu_s                   CPU seconds during the endpoint's load of this client (the openai client, httpx and
                           its pool), the session service, the router and the engines (together)
@@ -25,6 +28,7 @@ import asyncio
 import json
 import subprocess
 import time
+from typing import Any
 
 import aiohttp
 import httpx
@@ -47,22 +51,33 @@ async def openai_turn(agent: openai.AsyncOpenAI, messages: list) -> tuple[int | 
         return None, {"error": f"{type(exc).__name__}: {exc.__cause__ or exc}"}
 
 
-async def one_episode(http: aiohttp.ClientSession, transport: httpx.AsyncClient, service: str, index: int,
+async def one_episode(http: aiohttp.ClientSession, transport: httpx.AsyncClient | None, service: str, index: int,
                       turns: int, tally: Tally) -> list[dict] | None:
-    """Open a session, ``turns`` turns through the openai client, close: the session's samples, or None."""
+    """Open a session, ``turns`` turns through the openai client (``transport`` None: the same requests as JSON
+    with aiohttp, the baseline's client), close: the session's samples, or None."""
     status, opened = await post(http, service + "/sessions", {})
     if status != 201:
         tally.errors += 1
         tally.first_error = tally.first_error or f"HTTP {status} opening a session: {opened}"
         return None
     session = f"{service}/sessions/{opened['session_id']}"
-    agent = openai.AsyncOpenAI(base_url=f"{session}/v1", api_key=CONTROL_TOKEN, http_client=transport, max_retries=0)
+    if transport is None:
+        def turn_of(messages: list) -> Any:
+            return post(http, f"{session}/v1/chat/completions",
+                        {"model": "policy", "messages": messages, "max_tokens": MAX_NEW_TOKENS})
+    else:
+        agent = openai.AsyncOpenAI(base_url=f"{session}/v1", api_key=CONTROL_TOKEN, http_client=transport,
+                                   max_retries=0)
+
+        def turn_of(messages: list) -> Any:
+            return openai_turn(agent, messages)
     messages: list = [{"role": "user", "content": f"Question {index}: what is {index} + 1?"}]
     for turn in range(turns):
-        completion = await tally.timed(lambda: openai_turn(agent, messages))
+        completion = await tally.timed(lambda: turn_of(messages))
         if completion is None:
             break
-        messages += [completion.choices[0].message, {"role": "user", "content": f"And then, step {turn + 2}?"}]
+        reply = completion["choices"][0]["message"] if transport is None else completion.choices[0].message
+        messages += [reply, {"role": "user", "content": f"And then, step {turn + 2}?"}]
     async with http.delete(session) as closed:
         return (await closed.json())["samples"]
 
@@ -82,13 +97,18 @@ async def load(urls: dict, processes: list[subprocess.Popen], args: argparse.Nam
         via_wall = time.monotonic() - started
         cpu = {"client": round(time.process_time() - client_cpu, 1),
                **{name: round(sum(map(cpu_s, group)) - cpu_before[name], 1) for name, group in pids.items()}}
+        raw, started, client_cpu = Tally(), time.monotonic(), time.process_time()
+        raw_closed = await asyncio.gather(*(one_episode(http, None, urls["sessions"], i, args.turns, raw)
+                                            for i in range(args.sessions)))
+        raw_wall, raw_client_cpu = time.monotonic() - started, round(time.process_time() - client_cpu, 1)
         straight, started = Tally(), time.monotonic()
         engines = urls["engines"]
         await asyncio.gather(*(straight_session(http, engines[i % len(engines)], turn_inputs(samples[0]), stop_id,
                                                 straight) for i, samples in enumerate(closed) if samples))
         straight_wall = time.monotonic() - started
-    broken = sum(len(samples) != 1 for samples in closed if samples)
-    return {"via": {**via.figures(via_wall), "cpu_s": cpu}, "straight": straight.figures(straight_wall), "tito_broken": broken}
+    broken = sum(len(samples) != 1 for samples in [*closed, *raw_closed] if samples)
+    return {"via": {**via.figures(via_wall), "cpu_s": cpu}, "straight": straight.figures(straight_wall),
+            "raw": {**raw.figures(raw_wall), "client_cpu_s": raw_client_cpu}, "tito_broken": broken}
 
 
 def main() -> None:
@@ -100,6 +120,9 @@ def main() -> None:
         "ratio_wall": round(via["wall_s"] / straight["wall_s"], 2),
         "ratio_p50": round(via["p50_ms"] / straight["p50_ms"], 2),
         "ratio_p99": round(via["p99_ms"] / straight["p99_ms"], 2),
+        "endpoint_with_aiohttp": result["raw"],
+        "ratio_wall_aiohttp": round(result["raw"]["wall_s"] / straight["wall_s"], 2),
+        "ratio_p99_aiohttp": round(result["raw"]["p99_ms"] / straight["p99_ms"], 2),
         "tito_broken": result["tito_broken"],
     }))
 
