@@ -446,6 +446,9 @@ class RolloutWorker:
             await self.engine.update_weights(record.version, tensors)
             if noise is not None and noise.pending:
                 await asyncio.to_thread(noise.compare, record.version, tensors)
+        except weights.VersionPruned as exc:  # the trainer moved on while this engine (re)started
+            log.info("weight version %d passed over: %s", record.version, exc)
+            return False
         except (weights.WeightVerificationError, OSError, ValueError) as exc:
             log.error("weight version %d rejected: %s", record.version, exc)
             weights.acknowledge(self.producer, self.worker_id, record, None, error=str(exc))

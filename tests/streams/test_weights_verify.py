@@ -21,6 +21,7 @@ from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
 from milestream.schemas.records import WeightVersion
+from milestream.streams import weights as weights_package
 from milestream.streams.weights import WeightVerificationError, acknowledge, make_receiver, make_sender
 from milestream.streams.weights.verify import NoiseCheck, WeightVerifier, held_mismatches
 
@@ -116,6 +117,33 @@ def test_a_corrupted_or_missing_tensor_is_refused_by_the_engine_and_flagged(cfg:
     assert judged[1] is None
     assert "refused version 2" in judged[2] and ("checksum" in judged[2] or "decoded" in judged[2])
     assert (verifier.verified, verifier.mismatched) == (1, 1)
+
+
+def test_a_version_pruned_before_an_engine_loads_it_is_passed_over_not_refused(cfg: Config, monkeypatch) -> None:
+    """A worker (re)starting while the trainer moves on meets versions whose files were pruned: it passes them
+    over for the newer one, with no refusal on weights.applied and no dead letter; a record naming a file that
+    was never written (no newer version beside it) is still refused and dead-lettered."""
+    cfg = cfg.with_overrides(weights={"transport": "disk"}, trainer={"keep_weight_versions": 2})
+    producer, sender = RecordProducer(cfg.broker), make_sender(cfg)
+    announced = [sender.publish(producer, v, v, initial_tensors(cfg, shift=0.01 * v)) for v in (1, 2, 3)]
+    assert not Path(announced[0].location).exists()  # pruned once version 3 was written
+    engine = CpuEngine(cfg.model, cfg.rollout)
+    worker = RolloutWorker(cfg, "w-pruned", engine, load_tokenizer(cfg.model))
+    acks, letters = [], []
+    monkeypatch.setattr(weights_package, "acknowledge", lambda *args, **kwargs: acks.append(kwargs.get("error")))
+    monkeypatch.setattr(worker.producer, "dead_letter", lambda position, error, *rest: letters.append(str(error)))
+    receiver = make_receiver(cfg, "w-pruned")
+
+    def apply(record: WeightVersion) -> bool:
+        return asyncio.run(worker._apply(receiver, record, Delivery(Position(), None, [record], 0.0), None))
+
+    assert not apply(announced[0]) and (engine.version, acks, letters) == (0, [], [])
+    never_written = replace(announced[2], version=9, location=str(Path(announced[2].location).with_name("v000009.safetensors")))
+    assert not apply(never_written)
+    assert acks and "never written" in acks[0] and len(letters) == 1
+    assert apply(announced[2]) and engine.version == 3
+    worker.close()
+    asyncio.run(engine.close())
 
 
 def test_the_noise_check_catches_a_tensor_the_update_missed(cfg: Config) -> None:

@@ -9,7 +9,8 @@ verify.py holds the start-up noise check and the consumer that audits weights.ap
 (``weights.verify`` is that module; the checksum check of a delivery is ``base.verify``).
 """
 from milestream.streams.versions import check_applied, check_version, version_check
-from milestream.streams.weights.base import (NO_BASE, WeightReceiver, WeightSender, WeightVerificationError,
+from milestream.streams.weights.base import (NO_BASE, VersionPruned, WeightReceiver, WeightSender,
+                                             WeightVerificationError,
                                              acknowledge, checksum, checksums, make_receiver, make_sender,
                                              weights_dir)
 
@@ -24,6 +25,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["NO_BASE", "WeightReceiver", "WeightSender", "WeightVerificationError", "acknowledge", "check_applied",
+__all__ = ["NO_BASE", "VersionPruned", "WeightReceiver", "WeightSender", "WeightVerificationError", "acknowledge", "check_applied",
            "check_version", "checksum", "checksums", "load_version", "make_receiver", "make_sender", "publish_version",
            "version_check", "weights_dir"]

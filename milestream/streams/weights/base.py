@@ -39,6 +39,12 @@ class WeightVerificationError(RuntimeError):
     """Delivered tensors differ from the announced version (checksum, name, or a missing piece)."""
 
 
+class VersionPruned(WeightVerificationError):
+    """The version's file is gone and a newer version's file is beside it: the trainer pruned it on moving on
+    (``trainer.keep_weight_versions``). An engine passes it over for the newer one; no fault of the record, so
+    it is neither refused on ``weights.applied`` nor dead-lettered."""
+
+
 class WeightSender(Protocol):
     """Trainer side, rank 0. Built as ``Sender(cfg)``."""
 

@@ -18,8 +18,8 @@ from milestream.config import Config
 from milestream.infra.kafka import RecordProducer
 from milestream.schemas import topics
 from milestream.schemas.records import WeightVersion
-from milestream.streams.weights.base import (NO_BASE, WeightVerificationError, checksum, checksums, cpu_tensors, verify,
-                                             version_of, weights_dir, write_atomically)
+from milestream.streams.weights.base import (NO_BASE, VersionPruned, WeightVerificationError, checksum, checksums,
+                                             cpu_tensors, verify, version_of, weights_dir, write_atomically)
 
 
 def full_path(folder: Path, version: int) -> Path:
@@ -120,7 +120,12 @@ def load_version(record: WeightVersion) -> dict[str, Tensor]:
     try:
         tensors = load_file(record.location)
     except FileNotFoundError:
-        raise WeightVerificationError(f"version {record.version}: {record.location} is gone (pruned, or "
-                                      f"never written)") from None
+        path = Path(record.location)
+        newer = sorted(version_of(p) for p in path.parent.glob("v*.safetensors") if version_of(p) > record.version)
+        if newer and path.name == full_path(path.parent, record.version).name:
+            raise VersionPruned(f"version {record.version}: {path} is gone, pruned (version {newer[-1]} is "
+                                "there)") from None
+        raise WeightVerificationError(f"version {record.version}: {path} is gone (pruned, or never "
+                                      "written)") from None
     verify(record, tensors)
     return tensors
