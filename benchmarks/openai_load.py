@@ -61,22 +61,20 @@ async def one_episode(http: aiohttp.ClientSession, transport: httpx.AsyncClient 
         tally.first_error = tally.first_error or f"HTTP {status} opening a session: {opened}"
         return None
     session = f"{service}/sessions/{opened['session_id']}"
-    if transport is None:
-        def turn_of(messages: list) -> Any:
+    agent = None if transport is None else openai.AsyncOpenAI(base_url=f"{session}/v1", api_key=CONTROL_TOKEN,
+                                                              http_client=transport, max_retries=0)
+
+    def turn_of(messages: list) -> Any:
+        if agent is None:
             return post(http, f"{session}/v1/chat/completions",
                         {"model": "policy", "messages": messages, "max_tokens": MAX_NEW_TOKENS})
-    else:
-        agent = openai.AsyncOpenAI(base_url=f"{session}/v1", api_key=CONTROL_TOKEN, http_client=transport,
-                                   max_retries=0)
-
-        def turn_of(messages: list) -> Any:
-            return openai_turn(agent, messages)
+        return openai_turn(agent, messages)
     messages: list = [{"role": "user", "content": f"Question {index}: what is {index} + 1?"}]
     for turn in range(turns):
         completion = await tally.timed(lambda: turn_of(messages))
         if completion is None:
             break
-        reply = completion["choices"][0]["message"] if transport is None else completion.choices[0].message
+        reply = completion["choices"][0]["message"] if agent is None else completion.choices[0].message
         messages += [reply, {"role": "user", "content": f"And then, step {turn + 2}?"}]
     async with http.delete(session) as closed:
         return (await closed.json())["samples"]

@@ -184,7 +184,6 @@ class Monitor:
 
     def __init__(self, cfg: Config, printed: set[int], printed_evals: set[tuple[str, int, float]], started: float):
         self.cfg, self.printed, self.printed_evals, self.started = cfg, printed, printed_evals, started
-        self.last_step_ts = 0.0  # the trainer's newest step record (epoch seconds)
         self.lineage = Lineage()
         self.ledger = BufferLedger(cfg)
         # the stage that reads these topics in every run: it dead-letters what none of the run's stages wrote
@@ -207,13 +206,15 @@ class Monitor:
         for item in items:
             self.lineage.observe(item.record, item.position)
         for record in (item.record for item in items if item.spec == topics.METRICS):
-            if record.source == "trainer":
-                self.last_step_ts = max(self.last_step_ts, record.ts)
             if record.source == "trainer" and record.step not in self.printed:
                 self.printed.add(record.step)
                 print_step(self.cfg, self.lineage.steps[record.step], self.lineage,
                            time.monotonic() - self.started)
         print_evaluations([item.record for item in items if item.spec == topics.EVAL_RESULTS], self.printed_evals)
+
+    def newest_step_ts(self) -> float:
+        """When the trainer wrote the newest step record read so far (epoch seconds; 0 before any)."""
+        return max((record.ts for record in self.lineage.steps.values()), default=0.0)
 
     def close(self) -> None:
         self.feed.close()
@@ -257,7 +258,7 @@ def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, m
         except Exception:
             check_services(live)  # Redis died under that question: recovered as any service loss
             raise
-        if deferred and (monitor.last_step_ts > since or time.time() - since > SIDE_STAGE_WAIT_S):
+        if deferred and (monitor.newest_step_ts() > since or time.time() - since > SIDE_STAGE_WAIT_S):
             deferred = _started(deferred)
         # told to stop at the wall budget, a trainer that dies is not started again: the run is over
         supervise(cfg, live, children, trainer, stopping=stopped_by == "wall_budget")
@@ -271,6 +272,7 @@ def follow(cfg: Config, live: Services, children: list[Child], trainer: Child, m
 
 
 def _started(deferred: list[Child]) -> list[Child]:
+    """Starts the deferred stages; none is left deferred."""
     for child in deferred:
         child.start()
     return []

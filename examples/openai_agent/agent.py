@@ -68,7 +68,8 @@ def answer(text: str) -> str:
 
 
 def run_tool(function) -> str:
-    """The text a call (its ``name`` and ``arguments``) gives back: the result, or an error the model can read (never an exception)."""
+    """The text a call (its ``name`` and ``arguments``) gives back: the result, or an error the model can read
+    (never an exception)."""
     try:
         expression = json.loads(function.arguments)["expression"]
         return str(calculate(ast.parse(expression, mode="eval").body))

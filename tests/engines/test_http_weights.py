@@ -48,7 +48,8 @@ def test_a_lora_version_reaches_http_engines_as_whole_merged_weights(tmp_path: P
     server_model = load_model(WHOLE, dtype=torch.float32)
     load_trainable_state_dict(server_model, tensors)  # every name of the whole model, nothing else
     with torch.no_grad():
-        served, trained, base = server_model(PROBE).logits, trainer(PROBE).logits, load_model(WHOLE, dtype=torch.float32)(PROBE).logits
+        served, trained = server_model(PROBE).logits, trainer(PROBE).logits
+        base = load_model(WHOLE, dtype=torch.float32)(PROBE).logits
     # x(W + BA) and xW + (xB)A round differently in float32: equal to 1e-4, while the adapters moved logits far more
     torch.testing.assert_close(served, trained, atol=1e-4, rtol=0)
     assert (trained - base).abs().max() > 100 * 1e-4

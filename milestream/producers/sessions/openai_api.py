@@ -103,12 +103,7 @@ class Completion:
 
 def parse_chat_request(body: Mapping[str, Any], rules: SamplingRules, template: ChatTemplate) -> ChatRequest:
     """The request, or BadRequest naming the first field this endpoint cannot honour."""
-    for name, value in body.items():
-        if name in NEUTRAL and value not in NEUTRAL[name]:
-            raise BadRequest(name, f"{value!r} is not supported (only {_neutral(name)}): the engine does not "
-                             "implement it, and ignoring it would sample something else than asked")
-        if name not in NEUTRAL and name not in IGNORED and name not in READ:
-            raise BadRequest(name, "not supported by this endpoint")
+    check_fields(body, READ, NEUTRAL, IGNORED)
     if not isinstance(body.get("model"), str):
         raise BadRequest("model", "expected the model's name (any string: one policy is served)")
     top_logprobs = _optional_int(body, "top_logprobs", 0, rules.topk_logprobs)
@@ -125,8 +120,17 @@ def parse_chat_request(body: Mapping[str, Any], rules: SamplingRules, template: 
                        logprobs, top_logprobs, stream, bool(options.get("include_usage")))
 
 
-def _neutral(name: str) -> str:
-    return " or ".join(json.dumps(value) for value in NEUTRAL[name] if value is not None)
+def check_fields(body: Mapping[str, Any], read: frozenset[str], neutral: Mapping[str, tuple],
+                 ignored: frozenset[str]) -> None:
+    """BadRequest naming the first field of ``body`` an endpoint neither reads nor ignores, or sets to a value
+    (``neutral``: the values that leave sampling unchanged) it does not implement."""
+    for name, value in body.items():
+        if name in neutral and value not in neutral[name]:
+            shown = " or ".join(json.dumps(allowed) for allowed in neutral[name] if allowed is not None)
+            raise BadRequest(name, f"{value!r} is not supported (only {shown}): the engine does not implement it, "
+                             "and ignoring it would sample something else than asked")
+        if name not in neutral and name not in ignored and name not in read:
+            raise BadRequest(name, "not supported by this endpoint")
 
 
 def _optional_int(body: Mapping[str, Any], name: str, default: int, maximum: int) -> int:
@@ -205,20 +209,23 @@ def _normalized(message: Any, where: str) -> dict:
             out[name] = value
     if out.get("role") == "developer":  # OpenAI's newer name for the system prompt
         out["role"] = "system"
-    out["content"] = _text(out.get("content"), f"{where}.content")
+    out["content"] = text_content(out.get("content"), f"{where}.content")
     if "tool_calls" in out:
         out["tool_calls"] = _tool_calls(out["tool_calls"], f"{where}.tool_calls")
     return out
 
 
-def _text(content: Any, where: str) -> Any:
+def text_content(content: Any, where: str, part_types: tuple[str, ...] = ("text",)) -> Any:
+    """A message's content as one string: text parts (of ``part_types``) joined; anything else but a list as it
+    is, for validate_messages to name."""
     if content is None:
         return ""
     if not isinstance(content, list):
-        return content  # a string, or what validate_messages names
+        return content
     for index, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise BadRequest(f"{where}[{index}]", "only text parts ({'type': 'text', 'text': ...}) are supported")
+        if not (isinstance(part, Mapping) and part.get("type") in part_types and isinstance(part.get("text"), str)):
+            raise BadRequest(f"{where}[{index}]", f"only text parts ({{'type': {part_types[0]!r}, 'text': ...}}) "
+                             "are supported")
     return "".join(part["text"] for part in content)
 
 

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from milestream.engines.http_api import BadRequest, int_field
 from milestream.producers.sessions.openai_api import (ChatRequest, Completion, Generate, SamplingRules,
-                                                      parse_chat_request, session_turn)
+                                                      check_fields, parse_chat_request, session_turn, text_content)
 from milestream.producers.sessions.templates import ChatTemplate
 from milestream.producers.sessions.tito import TokenSession
 
@@ -55,14 +55,10 @@ async def responses(request: web.Request, session: TokenSession, generate: Gener
 
 def parse_responses_request(body: Mapping[str, Any], rules: SamplingRules, template: ChatTemplate) -> ChatRequest:
     """The request as the chat request it stands for, or BadRequest naming the field of this API."""
-    for name, value in body.items():
-        if name in STATEFUL:
-            raise BadRequest(name, "not supported: this endpoint keeps no responses; send the whole conversation "
-                             "as input (the previous input, the response's output and the tools' outputs)")
-        if name in NEUTRAL and value not in NEUTRAL[name]:
-            raise BadRequest(name, f"{value!r} is not supported here (only the default)")
-        if name not in NEUTRAL and name not in IGNORED and name not in READ:
-            raise BadRequest(name, "not supported by this endpoint")
+    if stateful := sorted(STATEFUL & body.keys()):
+        raise BadRequest(stateful[0], "not supported: this endpoint keeps no responses; send the whole conversation "
+                         "as input (the previous input, the response's output and the tools' outputs)")
+    check_fields(body, READ, NEUTRAL, IGNORED)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("instructions", f"expected a string, got {type(instructions).__name__}")
@@ -116,7 +112,9 @@ def _read_item(kind: str, item: Mapping[str, Any], where: str, messages: list[di
         role = item.get("role")
         if role not in ROLES:
             raise BadRequest(f"{where}.role", f"{role!r} is not one of {ROLES}")
-        text = _content(item.get("content"), f"{where}.content")
+        text = text_content(item.get("content"), f"{where}.content", ("input_text", "output_text"))
+        if not isinstance(text, str):
+            raise BadRequest(f"{where}.content", "expected a string or a list of text parts")
         last = messages[-1] if messages else {}
         if role == "assistant" and last.get("role") == "assistant" and not last["content"] and "tool_calls" not in last:
             last["content"] = text  # the turn its reasoning item opened
@@ -135,18 +133,6 @@ def _string(item: Mapping[str, Any], key: str, where: str) -> str:
     if not isinstance(item.get(key), str):
         raise BadRequest(f"{where}.{key}", f"expected a string, got {type(item.get(key)).__name__}")
     return item[key]
-
-
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise BadRequest(where, "expected a string or a list of text parts")
-    for index, part in enumerate(content):
-        if not (isinstance(part, Mapping) and part.get("type") in ("input_text", "output_text")
-                and isinstance(part.get("text"), str)):
-            raise BadRequest(f"{where}[{index}]", "only text parts ({'type': 'input_text', 'text': ...}) are supported")
-    return "".join(part["text"] for part in content)
 
 
 def chat_tools(tools: Any) -> list[dict] | None:

@@ -121,9 +121,9 @@ def load_version(record: WeightVersion) -> dict[str, Tensor]:
         tensors = load_file(record.location)
     except FileNotFoundError:
         path = Path(record.location)
-        newer = sorted(version_of(p) for p in path.parent.glob("v*.safetensors") if version_of(p) > record.version)
-        if newer and path.name == full_path(path.parent, record.version).name:
-            raise VersionPruned(f"version {record.version}: {path} is gone, pruned (version {newer[-1]} is "
+        newest = max((version_of(p) for p in path.parent.glob("v*.safetensors")), default=-1)
+        if newest > record.version and path.name == full_path(path.parent, record.version).name:
+            raise VersionPruned(f"version {record.version}: {path} is gone, pruned (version {newest} is "
                                 "there)") from None
         raise WeightVerificationError(f"version {record.version}: {path} is gone (pruned, or never "
                                       "written)") from None
