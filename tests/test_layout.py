@@ -6,8 +6,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "milestream"
 # each room may import only the rooms before it (and itself)
-ORDER = ["distill_config", "config", "schemas", "infra", "streams", "engines", "producers", "train", "log", "observe", "evaluate",
-         "orchestrator", "cli"]
+ORDER = ["distill_config", "config_services", "config_rollout", "config", "schemas", "infra", "streams", "engines",
+         "producers", "train", "log", "observe", "evaluate", "orchestrator", "cli_offline", "cli"]
 
 
 def room_of(path: Path) -> str:

@@ -25,6 +25,16 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
 }}]
 RESPONSE_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's shape of the same tool
+# one worked episode before the question (few-shot): a small model copies the call's format far more often
+# from an example than from the instructions alone
+_DEMO_CALL = {"id": "call_demo", "type": "function",
+              "function": {"name": "calculator", "arguments": json.dumps({"expression": "7 * 6 - 5"})}}
+DEMO = [{"role": "user", "content": "State the final answer to the following arithmetic problem: 7 * 6 - 5 ="},
+        {"role": "assistant", "content": "", "tool_calls": [_DEMO_CALL]},
+        {"role": "tool", "tool_call_id": "call_demo", "content": "37"},
+        {"role": "assistant", "content": "<answer>37</answer>"}]
+DEMO_ITEMS = [DEMO[0], {"type": "function_call", "call_id": "call_demo", **_DEMO_CALL["function"]},
+              {"type": "function_call_output", "call_id": "call_demo", "output": "37"}, DEMO[3]]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -35,7 +45,7 @@ def solve(base_url: str, api_key: str, prompt) -> str:
     MAX_TURNS or wrote no number)."""
     client = OpenAI(base_url=base_url, api_key=api_key)
     question = getattr(prompt, "question", prompt)
-    messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages: list = [{"role": "system", "content": SYSTEM}, *DEMO, {"role": "user", "content": question}]
     for _ in range(MAX_TURNS):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
         messages.append(reply)
@@ -50,7 +60,7 @@ def solve_with_responses(base_url: str, api_key: str, prompt) -> str:
     """``solve`` written against the Responses API (``client.responses.create``): the same episode, the
     conversation sent whole each turn (the previous input, the response's output, the tools' outputs)."""
     client = OpenAI(base_url=base_url, api_key=api_key)
-    items: list = [{"role": "user", "content": getattr(prompt, "question", prompt)}]
+    items: list = [*DEMO_ITEMS, {"role": "user", "content": getattr(prompt, "question", prompt)}]
     for _ in range(MAX_TURNS):
         response = client.responses.create(model="policy", instructions=SYSTEM, input=items, tools=RESPONSE_TOOLS)
         items += response.output

@@ -154,21 +154,24 @@ def derive_accounting(cfg: Config, run: LoggedRun, rollout_offsets: dict[int, in
       (b) a group whose prompt lies below rollout's committed offset (it will not be admitted again)
           and that has not left yet (no buffer.groups / buffer.dropped record) will be settled by the
           processor: it holds one;
-      (c) a group whose prompt lies at or past that offset is admitted again: it takes a new credit,
-          unless the processor has settled it, when admission passes it over (streams/ledger.py).
-    The groups of (b) are the ledger's admitted groups; the feeder's admitted count is set so that
-    published - admitted = the prompts rollout will read.
+      (c) a group whose prompt lies at or past that offset is read and admitted again. One with records
+          on the log that has not left holds its credit as (b) does: the processor takes its records (a
+          crash rolled its admission back, not its samples) and admission finds it readmitted, or settled
+          (streams/ledger.py); one with none takes a new credit.
+    The groups of (b) and (c) with records are the ledger's admitted groups; the feeder's admitted count
+    is set so that published - admitted = the prompts rollout will admit afresh.
     """
     offsets, seen = run.trainer.offsets, run.trainer.seen_groups
     entered, left = run.entered, run.left
     to_collect = {g: oldest for p, o, g, oldest in run.emitted if o >= offsets.get(p, 0) and g not in seen}
     unread = {g for g, (p, o) in run.prompts.items() if o >= rollout_offsets.get(p, 0)}
-    pending = entered - unread - left
+    pending = entered - left
     held = len(to_collect) + len(pending)
     if held > cfg.buffer_capacity:
         log.warning("more groups hold a credit (%d) than the buffer's capacity (%d): rollout waits until they leave",
                     held, cfg.buffer_capacity)
-    return Accounting(cfg.buffer_capacity - held, to_collect, max(0, prompts_published - len(unread)), held,
+    afresh = unread - entered - left
+    return Accounting(cfg.buffer_capacity - held, to_collect, max(0, prompts_published - len(afresh)), held,
                       tuple(sorted(pending)), run.trainer_version)
 
 

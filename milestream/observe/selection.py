@@ -7,8 +7,9 @@ with what became of its group:
 =====================  ====================================================================================
 column                 meaning
 =====================  ====================================================================================
-group_id               the group (``PROMPT#ATTEMPT``); ``trajectory_id`` = ``GROUP/SAMPLE``
-prompt_id              the prompt; ``sample_index`` and ``group_size`` place the sample in its group
+group_id               the group (``PROMPT#ATTEMPT``); ``trajectory_id`` = ``GROUP/SAMPLE`` (``.LEAF``)
+prompt_id              the prompt; ``sample_index`` and ``group_size`` place the sample in its group;
+                       ``leaf`` of ``leaves``: which trajectory of an agent's episode (0 of 1 otherwise)
 outcome                ``trained`` (a step of the lineage trained it), ``dropped`` (buffer.dropped),
                        ``buffered`` (on buffer.groups, not trained when the run stopped) or ``pending``
                        (the processor had not completed the group)
@@ -53,7 +54,8 @@ Decoder = Callable[[list[int]], str]
 
 SAMPLE_SCHEMA = pa.schema([
     ("group_id", pa.string()), ("trajectory_id", pa.string()), ("prompt_id", pa.string()),
-    ("sample_index", pa.int32()), ("group_size", pa.int32()), ("outcome", pa.string()),
+    ("sample_index", pa.int32()), ("group_size", pa.int32()), ("leaf", pa.int32()), ("leaves", pa.int32()),
+    ("outcome", pa.string()),
     ("step", pa.int64()), ("staleness", pa.int32()), ("drop_reason", pa.string()), ("drop_detail", pa.string()),
     ("dropped_by", pa.string()), ("reward", pa.float32()), ("status", pa.string()), ("engine_id", pa.string()),
     ("worker_id", pa.string()), ("submitted_at", pa.float64()), ("finished_at", pa.float64()),
@@ -96,9 +98,9 @@ def _sample_row(message: LoggedMessage, t: Trajectory, logprobs: LogProbs | None
     drop = fate.drop
     return {
         **{name: getattr(t, name) for name in ("group_id", "trajectory_id", "prompt_id", "sample_index", "group_size",
-                                               "reward", "status", "engine_id", "worker_id", "submitted_at",
-                                               "finished_at", "prompt_ids", "response_ids", "token_versions",
-                                               "loss_mask")},
+                                               "leaf", "leaves", "reward", "status", "engine_id", "worker_id",
+                                               "submitted_at", "finished_at", "prompt_ids", "response_ids",
+                                               "token_versions", "loss_mask")},
         "outcome": fate.outcome, "step": fate.step, "staleness": fate.staleness,
         "drop_reason": drop and drop.reason, "drop_detail": drop and drop.detail, "dropped_by": drop and drop.dropped_by,
         "partition": message.partition, "offset": message.offset, "timestamp_ms": message.timestamp_ms,

@@ -15,9 +15,10 @@ string, or None for the content of the sample's last assistant message; or ``{"a
 to report the episode's reward itself (a number, or a dict of named numbers as ``reward.fn`` may return;
 the configured reward is then not asked, and a reward that is not a finite number is the sample's reward
 error). The configured reward reads the episode's whole conversation as ``RewardSample.transcript``.
-The sample is the session's
-latest leaf (the conversation the agent's last request continued): the exact ids the engine saw and
-generated, loss mask 1 over generated tokens only. Sampling is the run's: a request may lower
+The sample is every
+leaf of the session (rollout.episode_sample): the latest (the conversation the agent's last request continued,
+what the reward reads) and the other branches and conversations, each the exact ids the engine saw and
+generated, loss mask 1 over generated tokens only (a turn shared by several leaves in one of them). Sampling is the run's: a request may lower
 ``max_tokens`` but not raise it past ``rollout.max_new_tokens``, nor change the temperature (400).
 
 An agent that raises, runs past its timeout or never calls the model fails its sample, and the worker
@@ -48,7 +49,7 @@ from milestream.engines.engine import Engine, FinishReason, GenerateResult, Samp
 from milestream.engines.http_api import Guard, authorization
 from milestream.infra.secret_env import ControlToken
 from milestream.producers.rewards import Reward, as_reward
-from milestream.producers.rollout import RolloutContext, Sample, runs_agent_fn, session_sample, worst_finish
+from milestream.producers.rollout import RolloutContext, Sample, episode_sample, runs_agent_fn, worst_finish
 from milestream.producers.sessions.openai_api import (ContextTooLong, SamplingRules, chat_completion, models_reply,
                                                       openai_error)
 from milestream.producers.sessions.responses_api import responses
@@ -188,16 +189,12 @@ async def openai_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) -
     episode = AgentEpisode(request_id, secrets.token_urlsafe(24), session, backend, rules, model)
     async with served(uuid.uuid4().hex, episode) as base_url:
         result, reported = _reported(ctx, episode, await _run_agent(ctx, episode, base_url, prompt))
-    leaves = session.samples()
-    if not leaves:
+    replies = session.replies()
+    if not replies:
         raise AgentFailed(f"rollout.agent_fn {cfg.rollout.agent_fn} ended episode {request_id} without calling the "
                           f"model (its base_url was {base_url})")
-    leaf = leaves[-1]
-    replies = [message for message in leaf.messages if message["role"] == "assistant"]
-    if result is None:
-        result = replies[-1].get("content") or ""
     calls = sum(len(message.get("tool_calls") or ()) for message in replies)
-    return session_sample(leaf, backend.finish_reason, result, len(replies), calls, reported)
+    return episode_sample(ctx, session, backend.finish_reason, result, len(replies), calls, reported)
 
 
 def _reported(ctx: RolloutContext, episode: AgentEpisode, result: Any) -> tuple[str | None, Reward | None]:

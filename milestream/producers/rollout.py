@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from milestream.config import Config, import_path
@@ -53,6 +53,8 @@ class Sample:
     topk_logprobs: list[list[float]] | None = None
     transcript: list[dict] | None = None  # an episode's whole conversation: every turn, tool calls and results
     reported: Reward | None = None  # the reward its agent reported for the episode: the configured one is not asked
+    # an episode's other leaves (branches, other conversations), published beside it with its reward
+    branches: tuple[Sample, ...] = ()
 
 
 @dataclass
@@ -213,18 +215,29 @@ async def agent_episode(ctx: RolloutContext, prompt: Prompt, request_id: str) ->
         episode = await ctx.agent(chat, prompt, ctx)
     except EpisodeTooLong:  # truncated: trained on what it generated, scored on no final answer
         episode = Episode(answer_text="", tool_calls=chat.tool_calls_seen)
-    leaves = session.samples()
-    if not leaves:
+    if not session.replies():
         raise ValueError(f"rollout.agent_fn {ctx.cfg.rollout.agent_fn} ended episode {request_id} without a turn")
-    return session_sample(leaves[-1], chat.finish_reason, episode.answer_text, chat.turns, episode.tool_calls)
+    return episode_sample(ctx, session, chat.finish_reason, episode.answer_text, chat.turns, episode.tool_calls)
 
 
-def session_sample(leaf: SessionSample, finish_reason: FinishReason, answer_text: str, turns: int,
-                   tool_calls: int, reported: Reward | None = None) -> Sample:
-    """A session's leaf as the trajectory the trainer gets, its conversation the transcript a reward reads."""
-    return Sample(leaf.prompt_ids, leaf.response_ids, leaf.loss_mask, leaf.logprobs, _carry_versions(leaf.versions),
-                  finish_reason, answer_text, turns=turns, tool_calls=tool_calls, transcript=leaf.messages,
-                  reported=reported)
+def episode_sample(ctx: RolloutContext, session: TokenSession, finish_reason: FinishReason, answer_text: str | None,
+                   turns: int, tool_calls: int, reported: Reward | None = None) -> Sample:
+    """An episode's session (at least one turn) as its sample: the latest leaf (the conversation its last
+    request continued), whose conversation is the transcript a reward reads, with the other leaves as its
+    ``branches``; a token generated once is trained once (``TokenSession.samples``). ``answer_text`` None:
+    the latest leaf's last assistant message. More leaves than ``rollout.max_leaves`` fail the sample."""
+    *others, latest = leaves = session.samples(train_once=True)
+    if len(leaves) > ctx.cfg.rollout.max_leaves:
+        raise ValueError(f"the episode has {len(leaves)} leaves (branches and conversations of its session), more "
+                         f"than rollout.max_leaves {ctx.cfg.rollout.max_leaves}")
+    if answer_text is None:
+        answer_text = [m for m in latest.messages if m["role"] == "assistant"][-1].get("content") or ""
+
+    def one(leaf: SessionSample, answer: str, own: Reward | None = None) -> Sample:
+        return Sample(leaf.prompt_ids, leaf.response_ids, leaf.loss_mask, leaf.logprobs,
+                      _carry_versions(leaf.versions), finish_reason, answer, turns=turns, tool_calls=tool_calls,
+                      transcript=leaf.messages, reported=own)
+    return replace(one(latest, answer_text, reported), branches=tuple(one(leaf, "") for leaf in others))
 
 
 class EpisodeTooLong(Exception):

@@ -1,6 +1,7 @@
 """The asynchronous rollout worker: prompts in, scored trajectories and log-probs out.
 
-Each admitted prompt is one group of ``group_size`` samples and costs one buffer credit, taken once per
+Each admitted prompt is one group of ``group_size`` samples (a sample is one trajectory, or an agent's
+episode one per leaf of its session, published in one value) and costs one buffer credit, taken once per
 group id (streams/ledger.py): a prompt redone after its worker died keeps the credit it holds. With
 sample-granular refill (the default) every sample holds one of ``max_inflight_samples`` slots and a
 finished sample frees its slot at once; with group-granular refill a group takes all its slots
@@ -21,13 +22,11 @@ import asyncio
 import contextlib
 import functools
 import logging
-import queue
 import sys
-import threading
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from milestream.config import Config
@@ -40,11 +39,12 @@ from milestream.infra.model import configure_process, load_tokenizer
 from milestream.infra.offsets import Checkpoint, HeldOffsets
 from milestream.producers.environments.sandbox import figures as sandbox_figures
 from milestream.producers.inputs import check_prompt
+from milestream.producers.prompt_reader import PromptReader
 from milestream.producers.rewards import Reward
 from milestream.producers.rollout import GroupTask, RolloutContext, Sample, load_layers
 from milestream.schemas import topics
 from milestream.schemas.codec import Position, RecordError
-from milestream.schemas.records import LogProbs, Metrics, Prompt, Trajectory, WeightVersion
+from milestream.schemas.records import LogProbs, Metrics, Prompt, Routing, Trajectory, WeightVersion, trajectory_id
 from milestream.streams import weights
 from milestream.streams.weights import verify
 from milestream.streams.ledger import BEHIND, COMPLETE, NO_CREDIT, READMITTED, BufferLedger
@@ -92,60 +92,6 @@ class NoHook:
 
     def close(self) -> None:
         return None
-
-
-class PromptReader:
-    """The worker's place in the prompts consumer group, kept by one thread that alone uses the consumer and
-    polls all the time, so a rebalance (a worker joining or leaving) never waits for a worker busy
-    generating or out of credit, and the event loop never waits on the broker. It reads at most one prompt
-    ahead of admission, and sends the offsets the worker hands it between two polls."""
-
-    def __init__(self, consumer: RecordConsumer) -> None:
-        self.consumer = consumer
-        self.ready: queue.Queue[Delivery] = queue.Queue(maxsize=1)
-        self.stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._to_commit: dict[int, int] = {}
-        self.taken = 0  # prompts read so far
-        self.thread = threading.Thread(target=self._read, name="prompt-reader", daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        while not self.stopped.is_set():
-            self._send_commit()
-            if self.ready.full():
-                self.consumer.keep_place(0.2)
-            elif (delivery := self.consumer.poll(0.2)) is not None:
-                self.ready.put(delivery)
-                self.taken += 1
-
-    def _send_commit(self) -> None:
-        """Sent, not waited for: one that never lands costs a redo of prompts whose groups are complete,
-        which admission passes over."""
-        with self._lock:
-            offsets, self._to_commit = self._to_commit, {}
-        if offsets:
-            self.consumer.commit(offsets, wait=False)
-
-    async def next(self) -> Delivery:
-        while True:
-            try:
-                return self.ready.get_nowait()
-            except queue.Empty:
-                await asyncio.sleep(0.05)
-
-    def commit(self, offsets: dict[int, int], wait: bool = False) -> bool:
-        """Handed to the reading thread, which sends it between two polls: never waited for (``wait`` is not
-        honoured; the consumer is that thread's alone)."""
-        with self._lock:
-            self._to_commit = dict(offsets)
-        return True
-
-    def close(self) -> None:
-        self.stopped.set()
-        self.thread.join()
-        self._send_commit()
-        self.consumer.close()
 
 
 class ErrorWindow:
@@ -363,32 +309,47 @@ class RolloutWorker:
                 self.slots.release()
 
     def _publish(self, group: Group, index: int, sample: Sample, reward: float | Reward) -> None:
+        """A sample's trajectories (one, or an agent's episode with its branches: each leaf, the episode's
+        reward) as one value on each topic, so a sample is on the log whole or not at all."""
         scored = reward if isinstance(reward, Reward) else Reward(reward)
-        routing = routing_records(f"{group.group_id}/{index}", group.group_id, index, group.task.size, sample.routing)
-        self._send(group, index, sample.logprobs, routing, (sample.topk_ids, sample.topk_logprobs),
-                   prompt_ids=sample.prompt_ids, response_ids=sample.response_ids, loss_mask=sample.loss_mask,
-                   token_versions=sample.versions, reward=scored.value, status=STATUS[sample.finish_reason],
-                   response_text=self.tokenizer.decode(sample.response_ids, skip_special_tokens=True),
-                   routing_chunks=len(routing), reward_error=scored.error)
+        leaves = (sample, *sample.branches)
+        records = []
+        for number, leaf in enumerate(leaves):
+            trajectory = self._trajectory(
+                group, index, number, leaves=len(leaves), prompt_ids=leaf.prompt_ids, response_ids=leaf.response_ids,
+                loss_mask=leaf.loss_mask, token_versions=leaf.versions, reward=scored.value,
+                status=STATUS[leaf.finish_reason], reward_error=scored.error,
+                response_text=self.tokenizer.decode(leaf.response_ids, skip_special_tokens=True))
+            routing = routing_records(trajectory.trajectory_id, group.group_id, index, group.task.size, leaf.routing)
+            records.append((replace(trajectory, routing_chunks=len(routing)),
+                            self._logprobs(trajectory, leaf.logprobs, leaf.topk_ids, leaf.topk_logprobs), routing))
+        self._send(group, records)
 
     def _publish_unfinished(self, group: Group, published: set[int], status: str, reason: str) -> None:
         """The samples of ``group`` not published yet, as empty ``status`` records saying why."""
         for index in sorted(set(range(group.task.size)) - published):
-            self._send(group, index, [], [], (None, None), prompt_ids=[], response_ids=[], loss_mask=[],
-                       token_versions=[], reward=0.0, status=status, response_text="", error=reason)
+            trajectory = self._trajectory(group, index, 0, prompt_ids=[], response_ids=[], loss_mask=[],
+                                          token_versions=[], reward=0.0, status=status, response_text="", error=reason)
+            self._send(group, [(trajectory, self._logprobs(trajectory, []), [])])
 
-    def _send(self, group: Group, index: int, logprobs: list[float], routing: list,
-              topk: tuple[list[list[int]] | None, list[list[float]] | None], **fields) -> None:
+    def _trajectory(self, group: Group, index: int, leaf: int, **fields) -> Trajectory:
+        return Trajectory(trajectory_id=trajectory_id(group.group_id, index, leaf), group_id=group.group_id,
+                          prompt_id=group.prompt.prompt_id, sample_index=index, group_size=group.task.size,
+                          engine_id=self.worker_id, worker_id=self.worker_id, submitted_at=group.submitted_at,
+                          finished_at=time.time(), leaf=leaf, **fields)
+
+    @staticmethod
+    def _logprobs(trajectory: Trajectory, logprobs: list[float], *topk: list[list] | None) -> LogProbs:
+        return LogProbs(trajectory.trajectory_id, trajectory.group_id, trajectory.sample_index, trajectory.group_size,
+                        logprobs, *topk)
+
+    def _send(self, group: Group, records: list[tuple[Trajectory, LogProbs, list[Routing]]]) -> None:
         started = time.perf_counter()
-        trajectory = Trajectory(
-            trajectory_id=f"{group.group_id}/{index}", group_id=group.group_id, prompt_id=group.prompt.prompt_id,
-            sample_index=index, group_size=group.task.size, engine_id=self.worker_id, worker_id=self.worker_id,
-            submitted_at=group.submitted_at, finished_at=time.time(), **fields)
-        self.producer.send(topics.TRAJECTORIES, [trajectory], key=group.group_id)
-        self.producer.send(topics.LOGPROBS, [LogProbs(trajectory.trajectory_id, group.group_id, index,
-                                                      group.task.size, logprobs, *topk)], key=group.group_id)
-        for chunk in routing:  # a message each: chunking keeps every message under the broker's limit
-            self.producer.send(topics.ROUTING, [chunk], key=group.group_id)
+        self.producer.send(topics.TRAJECTORIES, [trajectory for trajectory, _, _ in records], key=group.group_id)
+        self.producer.send(topics.LOGPROBS, [logprobs for _, logprobs, _ in records], key=group.group_id)
+        for _, _, routing in records:
+            for chunk in routing:  # a message each: chunking keeps every message under the broker's limit
+                self.producer.send(topics.ROUTING, [chunk], key=group.group_id)
         self.log_write_s += time.perf_counter() - started
 
     async def _follow_weights(self, stop: asyncio.Event) -> None:

@@ -69,8 +69,31 @@ TRAJECTORY_FIELDS = [
     ("token_versions", I32_LIST), ("reward", pa.float32()), ("status", pa.string()),
     ("response_text", pa.string()), ("engine_id", pa.string()), ("worker_id", pa.string()),
     ("submitted_at", pa.float64()), ("finished_at", pa.float64()), ("routing_chunks", pa.int32()),
-    ("reward_error", pa.string()), ("error", pa.string()),
+    ("reward_error", pa.string()), ("error", pa.string()), ("leaf", pa.int32()), ("leaves", pa.int32()),
 ]
+
+
+def trajectory_id(group_id: str, sample_index: int, leaf: int = 0) -> str:
+    """``GROUP/SAMPLE`` for a sample's first (or only) trajectory, ``GROUP/SAMPLE.LEAF`` for its others."""
+    return f"{group_id}/{sample_index}" if leaf == 0 else f"{group_id}/{sample_index}.{leaf}"
+
+
+def leaf_of(trajectory_id_: str, group_id: str, sample_index: int) -> int | None:
+    """The leaf a trajectory id names, or None when it is no trajectory of that group's sample."""
+    stem = f"{group_id}/{sample_index}"
+    if trajectory_id_ == stem:
+        return 0
+    rest = trajectory_id_.removeprefix(stem + ".")
+    if rest == trajectory_id_ or not rest.isdecimal() or not rest.isascii() or rest[0] == "0":
+        return None
+    return int(rest)
+
+
+def episode_mean(samples) -> float:
+    """The mean reward of samples counting each episode once (an agent's episode may be several
+    trajectories, ``leaves``, each carrying its reward); 0.0 for none."""
+    weights = [1.0 / max(sample.leaves, 1) for sample in samples]
+    return sum(w * s.reward for w, s in zip(weights, samples)) / sum(weights) if weights else 0.0
 
 
 @_checked
@@ -95,8 +118,12 @@ class Trajectory(Record):
     routing_chunks: int = 0  # Routing records that belong to it on rollout.routing (0: none recorded)
     reward_error: str = ""  # why the reward failed (its group is dropped, reason reward_error); "" when it did not
     error: str = ""  # status error: why the sample failed (engine, generate or rollout function); dropped as error
+    # an agent's episode may be several trajectories (its session's leaves: branches, conversations), each
+    # carrying the episode's reward; the trajectory id names the leaf (``trajectory_id``)
+    leaf: int = 0
+    leaves: int = 1
     SCHEMA: ClassVar = pa.schema(TRAJECTORY_FIELDS)
-    VERSION: ClassVar = 3  # 2: reward_error; 3: error
+    VERSION: ClassVar = 4  # 2: reward_error; 3: error; 4: leaf, leaves
     STATUSES: ClassVar = ("completed", "truncated", "aborted", "error")
 
 
@@ -216,6 +243,8 @@ class GroupManifest(Record):
     routing_rows: list[int]
     teacher_offset: int = -1  # on rollout.teacher_logprobs under on-policy distillation; -1 when off
     teacher_row: int = -1
+    leaf: int = 0  # which of its sample's ``leaves`` trajectories (Trajectory.leaf)
+    leaves: int = 1
     SCHEMA: ClassVar = pa.schema([
         ("trajectory_id", pa.string()), ("group_id", pa.string()), ("prompt_id", pa.string()),
         ("sample_index", pa.int32()), ("group_size", pa.int32()), ("reward", pa.float32()), ("status", pa.string()),
@@ -224,8 +253,9 @@ class GroupManifest(Record):
         ("min_version", pa.int32()), ("max_version", pa.int32()), ("partition", pa.int32()),
         ("trajectory_offset", pa.int64()), ("trajectory_row", pa.int32()), ("logprobs_offset", pa.int64()),
         ("logprobs_row", pa.int32()), ("routing_offsets", pa.list_(pa.int64())), ("routing_rows", I32_LIST),
-        ("teacher_offset", pa.int64()), ("teacher_row", pa.int32()),
+        ("teacher_offset", pa.int64()), ("teacher_row", pa.int32()), ("leaf", pa.int32()), ("leaves", pa.int32()),
     ])
+    VERSION: ClassVar = 2  # 2: leaf, leaves
 
 
 @_checked

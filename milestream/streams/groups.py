@@ -1,10 +1,11 @@
 """Group assembly and the arrival drop rules, free of any broker so they can be tested alone.
 
 The assembler joins refs (streams/sources.py: a record's small fields and where it lies), never payloads.
-A group is complete when every sample has its trajectory, its log-probs, when its engine recorded MoE
+A group is complete when every sample has its trajectories (one, or an agent's episode as many as it
+declares: ``Trajectory.leaves``), each its log-probs, when its engine recorded MoE
 routing (``Trajectory.routing_chunks`` > 0) every routing chunk, and under on-policy distillation
 (``distill``) its teacher's log-probs. Records may arrive in any order and are
-de-duplicated by (sample, chunk), so a re-read (after a restart) or a duplicate publish is harmless. Every
+de-duplicated by (trajectory, chunk), so a re-read (after a restart) or a duplicate publish is harmless. Every
 record of a group lies in one partition number (all are keyed by the group id), so one processor, the one
 holding that partition, assembles it.
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 from milestream.config import import_path
 from milestream.schemas import topics
 from milestream.schemas.records import (Dropped, GroupManifest, GroupSample, LogProbs, Record, Routing, TeacherLogProbs,
-                                        Trajectory)
+                                        Trajectory, episode_mean)
 from milestream.schemas.routing import joined_fields
 from milestream.streams.sources import LogProbsRef, MismatchError, RoutingRef, SourceRef, TrajectoryRef
 
@@ -56,25 +57,37 @@ def staleness(samples: Sequence[Versioned], current_version: int) -> int:
 
 @dataclass
 class PartialGroup:
+    """A group's records so far, each kind keyed by trajectory id (a sample is one trajectory, or an agent's
+    episode several: its ``leaves``)."""
+
     group_size: int
     partition: int
     needs_teacher: bool = False
-    trajectories: dict[int, TrajectoryRef] = field(default_factory=dict)
-    logprobs: dict[int, LogProbsRef] = field(default_factory=dict)
-    teacher: dict[int, LogProbsRef] = field(default_factory=dict)
-    routing: dict[int, dict[int, RoutingRef]] = field(default_factory=dict)  # sample -> chunk -> ref
+    trajectories: dict[str, TrajectoryRef] = field(default_factory=dict)
+    logprobs: dict[str, LogProbsRef] = field(default_factory=dict)
+    teacher: dict[str, LogProbsRef] = field(default_factory=dict)
+    routing: dict[str, dict[int, RoutingRef]] = field(default_factory=dict)  # trajectory -> chunk -> ref
     handles: list[Any] = field(default_factory=list)  # source messages, let go when the group leaves
     first_seen: float = field(default_factory=time.monotonic)
 
     def complete(self) -> bool:
-        return (len(self.trajectories) == self.group_size and len(self.logprobs) == self.group_size
-                and (not self.needs_teacher or len(self.teacher) == self.group_size)
-                and all(len(self.routing.get(i, {})) == t.routing_chunks for i, t in self.trajectories.items()))
+        held = self.trajectories.keys()
+        return (self._every_leaf() and self.logprobs.keys() == held
+                and (not self.needs_teacher or self.teacher.keys() == held)
+                and all(len(self.routing.get(tid, {})) == t.routing_chunks for tid, t in self.trajectories.items()))
+
+    def _every_leaf(self) -> bool:
+        """Every sample's trajectories are here: as many as its leaves."""
+        per_sample: dict[int, int] = {}
+        for t in self.trajectories.values():
+            per_sample[t.sample_index] = per_sample.get(t.sample_index, 0) + 1
+        return len(per_sample) == self.group_size and all(
+            per_sample[t.sample_index] == t.leaves for t in self.trajectories.values())
 
     def has(self, ref: SourceRef) -> bool:
         if isinstance(ref, RoutingRef):
-            return ref.chunk_index in self.routing.get(ref.sample_index, {})
-        return ref.sample_index in self._held(ref)
+            return ref.chunk_index in self.routing.get(ref.trajectory_id, {})
+        return ref.trajectory_id in self._held(ref)
 
     def _held(self, ref: TrajectoryRef | LogProbsRef) -> dict:
         if isinstance(ref, TrajectoryRef):
@@ -90,7 +103,9 @@ class PartialGroup:
             raise MismatchError("group_id", f"group {ref.group_id} lies in partition {self.partition}, this record "
                                 f"in {ref.at[0]}: not keyed by its group id")
         self._check_lengths(ref)
-        expected = self._routing_chunks(ref.sample_index)
+        if isinstance(ref, TrajectoryRef):
+            self._check_leaves(ref)
+        expected = self._routing_chunks(ref.trajectory_id)
         if isinstance(ref, TrajectoryRef):
             declared = ref.routing_chunks
         elif isinstance(ref, RoutingRef):
@@ -99,47 +114,57 @@ class PartialGroup:
             return
         if expected is not None and declared != expected:
             raise MismatchError("num_chunks" if isinstance(ref, RoutingRef) else "routing_chunks",
-                                f"group {ref.group_id} sample {ref.sample_index}: {declared} routing chunks "
+                                f"group {ref.group_id} trajectory {ref.trajectory_id}: {declared} routing chunks "
                                 f"declared, {expected} by the records before")
+
+    def _check_leaves(self, ref: TrajectoryRef) -> None:
+        for held in self.trajectories.values():
+            if held.sample_index == ref.sample_index and held.leaves != ref.leaves:
+                raise MismatchError("leaves", f"group {ref.group_id} sample {ref.sample_index}: {ref.leaves} "
+                                    f"leaves, {held.leaves} by {held.trajectory_id}")
 
     def _check_lengths(self, ref: SourceRef) -> None:
         """A trajectory, its log-probs and its teacher's cover the same response tokens."""
-        i = ref.sample_index
+        tid = ref.trajectory_id
         if isinstance(ref, TrajectoryRef):
-            pairs = [(ref.response_tokens, held[i].tokens) for held in (self.logprobs, self.teacher) if i in held]
-        elif isinstance(ref, LogProbsRef) and i in self.trajectories:
-            pairs = [(self.trajectories[i].response_tokens, ref.tokens)]
+            pairs = [(ref.response_tokens, held[tid].tokens) for held in (self.logprobs, self.teacher) if tid in held]
+        elif isinstance(ref, LogProbsRef) and tid in self.trajectories:
+            pairs = [(self.trajectories[tid].response_tokens, ref.tokens)]
         else:
             return
         for tokens, logprobs in pairs:
             if tokens != logprobs:
                 raise MismatchError("logprobs" if isinstance(ref, LogProbsRef) else "response_ids",
-                                    f"group {ref.group_id} sample {i}: {logprobs} log-probs for {tokens} response "
-                                    "tokens")
+                                    f"group {ref.group_id} trajectory {tid}: {logprobs} log-probs for {tokens} "
+                                    "response tokens")
 
     def put(self, ref: SourceRef) -> None:
         if isinstance(ref, RoutingRef):
-            self.routing.setdefault(ref.sample_index, {})[ref.chunk_index] = ref
+            self.routing.setdefault(ref.trajectory_id, {})[ref.chunk_index] = ref
         else:
-            self._held(ref)[ref.sample_index] = ref
+            self._held(ref)[ref.trajectory_id] = ref
 
-    def _routing_chunks(self, sample_index: int) -> int | None:
-        if sample_index in self.trajectories:
-            return self.trajectories[sample_index].routing_chunks
-        chunks = self.routing.get(sample_index)
+    def _routing_chunks(self, trajectory_id: str) -> int | None:
+        if trajectory_id in self.trajectories:
+            return self.trajectories[trajectory_id].routing_chunks
+        chunks = self.routing.get(trajectory_id)
         return next(iter(chunks.values())).num_chunks if chunks else None
+
+    def samples(self) -> list[TrajectoryRef]:
+        """Its trajectories in order: by sample, then leaf."""
+        return sorted(self.trajectories.values(), key=lambda t: (t.sample_index, t.leaf))
 
     def manifest(self) -> list[GroupManifest]:
         out = []
-        for i in sorted(self.trajectories):
-            t, lp = self.trajectories[i], self.logprobs[i]
-            chunks = [self.routing[i][c] for c in sorted(self.routing.get(i, {}))]
-            teacher = self.teacher[i].at if i in self.teacher else (-1, -1, -1)
+        for t in self.samples():
+            tid, lp = t.trajectory_id, self.logprobs[t.trajectory_id]
+            chunks = [self.routing[tid][c] for c in sorted(self.routing.get(tid, {}))]
+            teacher = self.teacher[tid].at if tid in self.teacher else (-1, -1, -1)
             out.append(GroupManifest(
-                t.trajectory_id, t.group_id, t.prompt_id, i, t.group_size, t.reward, t.status, t.engine_id,
+                tid, t.group_id, t.prompt_id, t.sample_index, t.group_size, t.reward, t.status, t.engine_id,
                 t.worker_id, t.submitted_at, t.finished_at, t.prompt_tokens, t.response_tokens, t.min_version,
                 t.max_version, self.partition, t.at[1], t.at[2], lp.at[1], lp.at[2], [c.at[1] for c in chunks],
-                [c.at[2] for c in chunks], teacher[1], teacher[2]))
+                [c.at[2] for c in chunks], teacher[1], teacher[2], t.leaf, t.leaves))
         return out
 
 
@@ -235,16 +260,16 @@ class GroupAssembler:
         return outcomes
 
     def _verdict(self, group: PartialGroup) -> tuple[str, str] | None:
-        samples = [group.trajectories[i] for i in sorted(group.trajectories)]
+        samples = group.samples()
         failed = [s for s in samples if s.status == "error"]
         if failed:
-            return "error", f"samples {[s.sample_index for s in failed]}: {failed[0].error}"
-        aborted = [s.sample_index for s in samples if s.status == "aborted"]
+            return "error", f"samples {_indices(failed)}: {failed[0].error}"
+        aborted = _indices([s for s in samples if s.status == "aborted"])
         if aborted:
             return "aborted", f"samples {aborted} aborted"
         failed = [s for s in samples if s.reward_error]
         if failed:  # never trained on a made-up reward
-            return "reward_error", f"samples {[s.sample_index for s in failed]}: {failed[0].reward_error}"
+            return "reward_error", f"samples {_indices(failed)}: {failed[0].reward_error}"
         if self.group_filter is not None:
             keep, reason = self.group_filter(group.manifest())
             if not keep:
@@ -256,7 +281,7 @@ class GroupAssembler:
     def _finish(self, group_id: str, verdict: tuple[str, str] | None) -> Outcome:
         group = self.partial.pop(group_id)
         self.finished.add(group_id)
-        samples = [group.trajectories[i] for i in sorted(group.trajectories)]
+        samples = group.samples()
         manifest = group.manifest() if group.complete() else []
         if verdict is None:
             return Outcome(group_id, manifest, group.handles, None, group.partition)
@@ -264,14 +289,17 @@ class GroupAssembler:
         return Outcome(group_id, manifest, group.handles, dropped, group.partition)
 
 
+def _indices(samples: Sequence[TrajectoryRef]) -> list[int]:
+    return sorted({s.sample_index for s in samples})
+
+
 def drop_record(group_id: str, samples: Sequence[Versioned], reason: str, detail: str,
                 dropped_by: str, trainer_version: int) -> Dropped:
     oldest = oldest_version(samples)
-    rewards = [s.reward for s in samples]
     return Dropped(
         group_id=group_id, prompt_id=samples[0].prompt_id if samples else "", reason=reason, detail=detail,
         dropped_by=dropped_by, num_samples=len(samples), min_version=-1 if oldest is None else oldest,
-        trainer_version=trainer_version, mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+        trainer_version=trainer_version, mean_reward=episode_mean(samples),
         ts=time.time(),
     )
 
@@ -301,13 +329,15 @@ def join_sample(row: GroupManifest, records: Sequence[Record]) -> GroupSample:
         raise MismatchError("trajectory_offset", f"{sample_id}: records {[type(r).__name__ for r in records]}")
     versions = trajectory.token_versions
     described = (row.prompt_tokens, row.response_tokens, row.status, row.reward, len(row.routing_offsets),
-                 row.min_version, row.max_version)
+                 row.min_version, row.max_version, row.leaf, row.leaves)
     found = (len(trajectory.prompt_ids), len(trajectory.response_ids), trajectory.status, trajectory.reward,
-             trajectory.routing_chunks, min(versions, default=-1), max(versions, default=-1))
+             trajectory.routing_chunks, min(versions, default=-1), max(versions, default=-1), trajectory.leaf,
+             trajectory.leaves)
     covered = [len(lp.logprobs) for lp in (logprobs, teacher) if lp is not None]
     if described != found or covered != [row.response_tokens] * len(covered):
         raise MismatchError("response_tokens", f"{sample_id}: the manifest says (prompt, response, status, reward, "
-                            f"routing chunks, versions) {described}, its records {found}, log-probs {covered}")
+                            f"routing chunks, versions, leaf, leaves) {described}, its records {found}, "
+                            f"log-probs {covered}")
     if [c.chunk_index for c in chunks] != list(range(len(chunks))):
         raise MismatchError("routing_offsets", f"{sample_id}: chunks {[c.chunk_index for c in chunks]} in its order")
     return GroupSample(**trajectory.to_row(), logprobs=logprobs.logprobs, **joined_fields(list(chunks)),

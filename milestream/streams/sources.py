@@ -9,7 +9,7 @@ the same place later (train/collector.py) and checks them again with the same fu
 builds its samples.
 
 The rules (a record that decodes can still be hostile): the run's group size, a sample index inside it,
-the trajectory id its group and index make, a known status, a loss mask of 0/1 as long as the response,
+the trajectory id its group, index and leaf make (a leaf inside its sample's count of leaves), a known status, a loss mask of 0/1 as long as the response,
 no negative token id or version, finite reward and times, a plausible routing chunk count; log-probs
 never NaN nor above 0 (-inf is a token the engine found impossible: the loss guards it), top-k ids and
 log-probs of one shape; a routing chunk inside its count, a known layout and compression, and a zstd
@@ -28,7 +28,7 @@ import pyarrow as pa
 import zstandard
 
 from milestream.schemas.codec import Position, RecordError, check_nulls, decode_table
-from milestream.schemas.records import LogProbs, Record, Routing, TeacherLogProbs, Trajectory
+from milestream.schemas.records import LogProbs, Record, Routing, TeacherLogProbs, Trajectory, leaf_of
 from milestream.schemas.routing import COMPRESSION, PLAIN_COMPRESSION
 
 At = tuple[int, int, int]  # (partition, offset, row in the value)
@@ -63,6 +63,8 @@ class TrajectoryRef:
     min_version: int  # -1: no response token
     max_version: int
     at: At
+    leaf: int = 0
+    leaves: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +92,7 @@ class RoutingRef:
 SourceRef = TrajectoryRef | LogProbsRef | RoutingRef
 _IDS = ("trajectory_id", "group_id", "sample_index", "group_size")
 _TRAJECTORY_SCALARS = ("prompt_id", "reward", "status", "engine_id", "worker_id", "submitted_at", "finished_at",
-                       "routing_chunks", "reward_error", "error")
+                       "routing_chunks", "reward_error", "error", "leaf", "leaves")
 # response_text is the one column nothing here reads
 TRAJECTORY_COLUMNS = tuple(name for name in Trajectory.SCHEMA.names if name != "response_text")
 
@@ -143,18 +145,23 @@ def check_table(table: pa.Table, cls: type[Record], ats: Sequence[At], group_siz
     """Every rule of ``cls`` over a decoded table (``ats``: where each row lies); its refs, or MismatchError
     naming the field."""
     ids = {name: table.column(name).to_pylist() for name in _IDS}
-    _check_ids(ids, group_size)
+    ids["leaf"] = _check_ids(ids, group_size)
     return _READERS[cls](table, ids, ats)
 
 
-def _check_ids(ids: dict[str, list], group_size: int) -> None:
+def _check_ids(ids: dict[str, list], group_size: int) -> list[int]:
+    """Each row's leaf, as its trajectory id names it."""
+    leaves = []
     for trajectory_id, group_id, index, size in zip(*(ids[name] for name in _IDS)):
         if size != group_size:
             raise MismatchError("group_size", f"group size {size}, the run's is {group_size}")
         if not 0 <= index < group_size:
             raise MismatchError("sample_index", f"sample {index} of a group of {group_size}")
-        if trajectory_id != f"{group_id}/{index}":
+        leaf = leaf_of(trajectory_id, group_id, index)
+        if leaf is None:
             raise MismatchError("trajectory_id", f"{trajectory_id!r} is not sample {index} of group {group_id!r}")
+        leaves.append(leaf)
+    return leaves
 
 
 @dataclass(frozen=True)
@@ -200,13 +207,17 @@ def _trajectories(table: pa.Table, ids: dict[str, list], ats: Sequence[At]) -> l
                                               lists["prompt_ids"].lengths + response, scalars["reward"],
                                               scalars["submitted_at"], scalars["finished_at"]):
         _check_trajectory_row(status, chunks, int(tokens), times)
+    for named, leaf, leaves in zip(ids["leaf"], scalars["leaf"], scalars["leaves"]):
+        if not named == leaf < leaves:
+            raise MismatchError("leaf", f"leaf {leaf} of {leaves}, its trajectory id names leaf {named}")
     versions = lists["token_versions"]
     oldest, newest = versions.reduced(np.minimum, -1), versions.reduced(np.maximum, -1)
     return [TrajectoryRef(ids["trajectory_id"][i], ids["group_id"][i], scalars["prompt_id"][i], ids["sample_index"][i],
                           ids["group_size"][i], scalars["reward"][i], scalars["status"][i], scalars["engine_id"][i],
                           scalars["worker_id"][i], scalars["submitted_at"][i], scalars["finished_at"][i],
                           scalars["routing_chunks"][i], scalars["reward_error"][i], scalars["error"][i],
-                          int(lists["prompt_ids"].lengths[i]), int(response[i]), oldest[i], newest[i], ats[i])
+                          int(lists["prompt_ids"].lengths[i]), int(response[i]), oldest[i], newest[i], ats[i],
+                          scalars["leaf"][i], scalars["leaves"][i])
             for i in range(table.num_rows)]
 
 

@@ -40,7 +40,7 @@ from milestream.infra.model import model_config
 from milestream.infra.offsets import HeldOffsets
 from milestream.schemas import routing, topics
 from milestream.schemas.codec import Position, RecordError, decode_values
-from milestream.schemas.records import GroupManifest, GroupSample, Record, Trajectory
+from milestream.schemas.records import GroupManifest, GroupSample, Record, Trajectory, trajectory_id
 from milestream.streams.groups import (MismatchError, drop_record, join_sample, oldest_version, record_positions,
                                        source_topics, staleness)
 from milestream.streams.ledger import BufferLedger, TrainerDrop
@@ -319,11 +319,10 @@ def check_manifest(rows: list[GroupManifest], group_size: int, context: int, par
                    needs_teacher: bool = False) -> None:
     """Raise MismatchError naming the field of a manifest no training step can take (``context``: the model's;
     ``needs_teacher``: on-policy distillation is on)."""
-    indices = sorted(row.sample_index for row in rows)
-    if indices != list(range(group_size)):
-        raise MismatchError("sample_index", f"samples {indices} of a group of {group_size}")
+    check_leaves(rows, group_size)
     for row in rows:
-        if row.group_id != rows[0].group_id or row.trajectory_id != f"{row.group_id}/{row.sample_index}":
+        if row.group_id != rows[0].group_id or row.trajectory_id != trajectory_id(row.group_id, row.sample_index,
+                                                                                  row.leaf):
             raise MismatchError("group_id", f"sample {row.trajectory_id!r} in group {rows[0].group_id!r}")
         if row.group_size != group_size or row.status not in Trajectory.STATUSES:
             raise MismatchError("status", f"group size {row.group_size}, status {row.status!r}")
@@ -358,9 +357,16 @@ def check_group(samples: list[GroupSample], group_size: int, vocab_size: int, co
                                 f"the model's context of {context}")
         if sample.routing_layout or sample.routing_data:
             _check_routing(sample)
-    indices = sorted(s.sample_index for s in samples)
-    if indices != list(range(group_size)):
-        raise MismatchError("sample_index", f"samples {indices} of a group of {group_size}")
+    check_leaves(samples, group_size)
+
+
+def check_leaves(rows: Sequence[GroupManifest | GroupSample], group_size: int) -> None:
+    """Samples 0..group_size-1, each as its leaves 0..leaves-1 once: MismatchError otherwise."""
+    found = sorted((row.sample_index, row.leaf, row.leaves) for row in rows)
+    leaves = {index: count for index, _, count in found}
+    expected = sorted((index, leaf, count) for index, count in leaves.items() for leaf in range(count))
+    if sorted(leaves) != list(range(group_size)) or found != expected:
+        raise MismatchError("sample_index", f"(sample, leaf, leaves) {found} of a group of {group_size}")
 
 
 def _check_routing(sample: GroupSample) -> None:

@@ -39,6 +39,9 @@ class AdvantageInputs:
     ref_logp: Tensor | None = None  # [B, T] the reference policy, for the KL penalty
     values: Tensor | None = None  # [B, T] V(s_t) of the value head, for ppo
     token_rewards: Tensor | None = None  # [B, T] rewards of single tokens, beside each sample's (zero off the mask)
+    # [B] 1 / its episode's trajectories: an agent's episode of several (leaves) counts once in its group's mean
+    # and spread; None: every sample is an episode of its own
+    weights: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -63,17 +66,26 @@ def advantage_options(cfg: TrainerConfig) -> AdvantageOptions:
                             kl_coef=cfg.kl_coef)
 
 
-def group_normalized(rewards: Tensor, groups: Tensor, std_normalize: bool = True, eps: float = 1e-6) -> Tensor:
-    """[B]: r_i - mean_g r, divided by (std_g r + eps) (unbiased std) when ``std_normalize``.
+def group_normalized(rewards: Tensor, groups: Tensor, std_normalize: bool = True, eps: float = 1e-6,
+                     weights: Tensor | None = None) -> Tensor:
+    """[B]: r_i - mean_g r, divided by (std_g r + eps) (unbiased std) when ``std_normalize``; with
+    ``weights`` (AdvantageInputs.weights) the mean and spread are over episodes, each weighing 1.
 
-    A group of one has no spread to divide by: its advantage is 0.
+    A group of one (episode) has no spread to divide by: its advantage is 0.
     """
     out = torch.empty_like(rewards)
     for group in groups.unique():
         members = groups == group
         own = rewards[members]
-        centred = own - own.mean()
-        out[members] = centred / (own.std() + eps) if std_normalize and own.numel() > 1 else centred
+        if weights is None:
+            centred = own - own.mean()
+            out[members] = centred / (own.std() + eps) if std_normalize and own.numel() > 1 else centred
+            continue
+        share = weights[members].to(own.dtype)
+        episodes = share.sum()
+        centred = own - (share * own).sum() / episodes
+        spread = ((share * centred ** 2).sum() / (episodes - 1)).sqrt() if episodes > 1.5 else None
+        out[members] = centred / (spread + eps) if std_normalize and spread is not None else centred
     return out
 
 
@@ -143,7 +155,7 @@ def grpo(inputs: AdvantageInputs, options: AdvantageOptions) -> Advantages:
     rewards = inputs.rewards + extra_token_rewards(inputs).sum(-1)
     if not options.group_normalize:
         return Advantages(rewards.view(-1, 1) * inputs.mask, None)
-    per_sample = group_normalized(rewards, inputs.groups, options.group_std_normalize)
+    per_sample = group_normalized(rewards, inputs.groups, options.group_std_normalize, weights=inputs.weights)
     return Advantages(per_sample.view(-1, 1) * inputs.mask, None)
 
 
@@ -156,7 +168,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs, options: AdvantageOptions) -> A
 
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, options: AdvantageOptions) -> Advantages:
     """A = whiten(r_i - mean_g r + token reward_t - kl_coef (log pi_old - log pi_ref)_t)."""
-    baseline = group_normalized(inputs.rewards, inputs.groups, std_normalize=False)
+    baseline = group_normalized(inputs.rewards, inputs.groups, std_normalize=False, weights=inputs.weights)
     advantages = baseline.view(-1, 1) * inputs.mask + extra_token_rewards(inputs) - kl_penalty(inputs, options.kl_coef)
     return Advantages(masked_whiten(advantages, inputs.mask), None)
 

@@ -30,7 +30,7 @@ from milestream.train.logprobs import pad
 from milestream.train.mismatch_breakdown import MismatchBreakdown
 from milestream.train.losses import Denominators, LossInput, make_loss, reduce_loss, step_figures
 from milestream.train.routing_replay import recorded_routing
-from milestream.schemas.records import GroupSample
+from milestream.schemas.records import GroupSample, episode_mean
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,10 @@ class Learner:
                 figures[name] += value
         tokens = max(figures.pop("tokens"), 1.0)
         mismatch = breakdown.figures(figures)
-        rewards = [s.reward for s in samples]
         return {
             "loss": results[-1].loss, "grad_norm": results[-1].grad_norm,
             "update_skipped": float(sum(r.update_skipped for r in results)), "updates": float(len(results)),
-            "reward_mean": sum(rewards) / len(rewards),
+            "reward_mean": episode_mean(samples),
             **step_figures(figures, tokens, len(samples)),  # the loss's figures, per token (or sample)
             **mismatch, **self._distill_figures(samples),
             "response_len_mean": tokens / len(samples), "samples": float(len(samples)),
@@ -171,6 +170,8 @@ class Learner:
         mask = pad([s.loss_mask for s in samples])
         inputs = AdvantageInputs(torch.tensor([s.reward for s in samples]),
                                  torch.tensor([group_of[id(s)] for s in samples]), mask,
+                                 weights=(torch.tensor([1.0 / s.leaves for s in samples])
+                                          if any(s.leaves > 1 for s in samples) else None),
                                  # the KL penalty compares the policy that sampled with the reference
                                  old_logp=pad([s.logprobs for s in samples]) if self.with_reference else None,
                                  ref_logp=reference,

@@ -22,77 +22,22 @@ from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
 from milestream.config import Config, RolloutConfig
-from milestream.engines.engine import CpuEngine, GenerateRequest, GenerateResult, sampling_params
+from milestream.engines.engine import CpuEngine
 from milestream.engines.http_api import Guard
 from milestream.infra.kafka import RecordConsumer
 from milestream.infra.model import load_tokenizer
 from milestream.infra.secret_env import ControlToken
 from milestream.producers.agents import AgentFailed, openai_episode
 from milestream.producers.loader import load_prompts
-from milestream.producers.rollout import RolloutContext, Sample, load_layers
+from milestream.producers.rollout import Sample
 from milestream.producers.sessions.server import EngineBackend, SessionService
 from milestream.producers.sessions.templates import chat_template
 from milestream.producers.worker import RolloutWorker
 from milestream.schemas import topics
 from milestream.schemas.records import Prompt
+from openai_agents import OPENAI_LAYERS, CalculatorScript, Recording, agent_cfg, context, prompt, with_agent
 
 TOKEN = "control-token"
-OPENAI_LAYERS = {"generate_fn": "milestream.producers.agents:openai_episode",
-                 "agent_fn": "examples.openai_agent.agent:solve"}
-
-
-class Recording:
-    """An engine that keeps every request and result (by request id) of the engine it wraps."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.turns: list[tuple[GenerateRequest, GenerateResult]] = []
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        result = await self.engine.generate(request)
-        self.turns.append((request, result))
-        return result
-
-
-class CalculatorScript:
-    """Turn 1 calls the calculator on the question's expression, turn 2 answers with the tool's result read
-    from its prompt; each turn at a weight version of its own, with made-up log-probs."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        self.version = 0
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        shown = self.tokenizer.decode(request.input_ids)
-        tool_result = re.search(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", shown)
-        if tool_result is None:
-            expression = re.search(r"problem: (.*) =", shown).group(1)
-            text = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}\n</tool_call>'
-        else:
-            text = f"<answer>{tool_result[1]}</answer>"
-        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (self.tokenizer.eos_token_id,)
-        self.version += 1
-        logprobs = tuple(-0.1 * (i + 1) for i in range(len(ids)))
-        return GenerateResult(request.request_id, ids, logprobs, (self.version,) * len(ids), "stop")
-
-
-def agent_cfg(**rollout: Any) -> Config:
-    return Config().with_overrides(model={"name": "tiny-random", "dtype": "float32", "lora_rank": 0},
-                                   data={"assistant_prefill": ""},
-                                   rollout={**OPENAI_LAYERS, "max_new_tokens": 64, **rollout})
-
-
-def context(cfg: Config, engine: Any, tokenizer: PreTrainedTokenizerBase) -> RolloutContext:
-    return RolloutContext(cfg, "w", engine, tokenizer, sampling_params(cfg.rollout, tokenizer), None,
-                          load_layers(cfg).agent)
-
-
-def prompt(question: str, answer: str = "") -> Prompt:
-    return Prompt("p0", "chain_sum", 0, question, answer, json.dumps({"question": question, "answer": answer}))
 
 
 # ---- an episode: the samples are the engine's tokens ------------------------------------------------
@@ -126,7 +71,7 @@ def test_an_agent_on_the_responses_api_is_the_engines_tokens(tokenizer: PreTrain
     from examples.openai_agent.agent import solve_with_responses
 
     engine = Recording(CalculatorScript(tokenizer))
-    ctx = dataclass_replace_agent(context(agent_cfg(), engine, tokenizer), solve_with_responses)
+    ctx = with_agent(context(agent_cfg(), engine, tokenizer), solve_with_responses)
     task = prompt("Solve this problem: 4 + 7 =", "11")
     sample = asyncio.run(openai_episode(ctx, task, "g#0/0"))
     [(first, called), (second, answered)] = engine.turns
@@ -143,7 +88,8 @@ def test_an_agent_on_the_responses_api_is_the_engines_tokens(tokenizer: PreTrain
     def stateful(base_url: str, api_key: str, given: Prompt) -> str:
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
         first = client.responses.create(model="policy", input=given.question, max_output_tokens=8)
-        for asked in ({"previous_response_id": first.id}, {"stream": True}, {"max_output_tokens": 0},
+        for asked in ({"previous_response_id": first.id}, {"max_output_tokens": 0},
+                      {"stream": True, "stream_options": {"include_obfuscation": False}},
                       {"input": [{"role": "user", "content": "Hi"}, {"type": "web_search_call", "id": "ws_1"}]}):
             try:
                 client.responses.create(model="policy", **{"input": "And then?", **asked})
@@ -151,10 +97,95 @@ def test_an_agent_on_the_responses_api_is_the_engines_tokens(tokenizer: PreTrain
                 refused.append(exc)
         return first.output_text
 
-    ctx = dataclass_replace_agent(context(agent_cfg(), CalculatorScript(tokenizer), tokenizer), stateful)
+    ctx = with_agent(context(agent_cfg(), CalculatorScript(tokenizer), tokenizer), stateful)
     asyncio.run(openai_episode(ctx, task, "g#0/1"))
-    assert [exc.body["param"] for exc in refused] == ["previous_response_id", "stream", "max_output_tokens",
+    assert [exc.body["param"] for exc in refused] == ["previous_response_id", "max_output_tokens", "stream_options",
                                                       "input[1].type"]
+
+
+def test_an_agent_streaming_the_responses_api_is_the_engines_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+    """The calculator episode streamed, the tool call by ``responses.create(stream=True)``, the answer by
+    ``responses.stream``: OpenAI's events in order, and the completed output, sent back as input, is matched
+    to the exact ids the engine generated."""
+    from examples.openai_agent.agent import RESPONSE_TOOLS, SYSTEM, answer, run_tool
+
+    streamed: list[list] = []
+
+    def agent(base_url: str, api_key: str, given: Prompt) -> str:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        ask = {"model": "policy", "instructions": SYSTEM, "tools": RESPONSE_TOOLS}
+        items: list = [{"role": "user", "content": given.question}]
+        streamed.append(list(client.responses.create(**ask, input=items, stream=True)))
+        output = streamed[0][-1].response.output
+        (call,) = output
+        items += [*output, {"type": "function_call_output", "call_id": call.call_id, "output": run_tool(call)}]
+        with client.responses.stream(**ask, input=items) as stream:
+            streamed.append(list(stream))
+            return answer(stream.get_final_response().output_text)
+
+    engine = Recording(CalculatorScript(tokenizer))
+    ctx = with_agent(context(agent_cfg(), engine, tokenizer), agent)
+    sample = asyncio.run(openai_episode(ctx, prompt("Solve this problem: 4 + 7 =", "11"), "g#0/0"))
+    [(first, called), (second, answered)] = engine.turns
+    appended = list(second.input_ids[len(first.input_ids) + len(called.output_ids):])
+    assert sample.response_ids == list(called.output_ids) + appended + list(answered.output_ids)
+    assert (sample.turns, sample.tool_calls, sample.answer_text) == (2, 1, "<answer>11</answer>")
+
+    call_events, answer_events = streamed
+    assert [event.type.removeprefix("response.") for event in call_events] == [
+        "created", "in_progress", "output_item.added", "function_call_arguments.delta",
+        "function_call_arguments.done", "output_item.done", "completed"]
+    assert call_events[3].delta == call_events[4].arguments == call_events[-1].response.output[0].arguments
+    assert [event.type.removeprefix("response.") for event in answer_events] == [
+        "created", "in_progress", "output_item.added", "content_part.added", "output_text.delta", "output_text.done",
+        "content_part.done", "output_item.done", "completed"]
+    assert answer_events[4].delta == answer_events[4].snapshot == "<answer>11</answer>"
+    for events in streamed:
+        assert [event.sequence_number for event in events] == list(range(len(events)))
+        assert {event.response.id for event in events if hasattr(event, "response")} == {events[-1].response.id}
+        assert {event.item.id for event in events if hasattr(event, "item")} == \
+            {event.item_id for event in events if hasattr(event, "item_id")} == {events[-1].response.output[0].id}
+
+
+def test_a_streamed_response_ends_as_the_unstreamed_one_or_incomplete(make_engine: Callable[..., CpuEngine],
+                                                                      tokenizer: PreTrainedTokenizerBase) -> None:
+    """``response.completed`` carries the response a request without ``stream`` gets (the scripted tool call);
+    cut at ``max_output_tokens``, the stream ends ``response.incomplete`` and its text is the sample's reply."""
+    from examples.openai_agent.agent import RESPONSE_TOOLS
+
+    question = {"model": "policy", "input": "Solve this problem: 4 + 7 =", "tools": RESPONSE_TOOLS}
+
+    async def scenario(engine: Any, *asked: dict) -> tuple[list, list[dict]]:
+        service = SessionService(chat_template(tokenizer), EngineBackend(engine), RolloutConfig(max_new_tokens=8))
+        runner, _, base_url = await session_client(service)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=TOKEN, max_retries=0)
+        replies = []
+        for request in asked:
+            reply = await client.responses.create(**request)
+            replies.append([event async for event in reply] if request.get("stream") else reply)
+        samples = await session_samples(base_url)
+        await client.close()
+        await runner.cleanup()
+        return replies, samples
+
+    (plain, events), _ = asyncio.run(scenario(CalculatorScript(tokenizer), question, {**question, "stream": True}))
+    streamed = events[-1].response
+    assert events[-1].type == "response.completed" and streamed.status == plain.status == "completed"
+    unnamed = {"id", "created_at", "output", "weight_versions"}  # the script's weights change every turn
+    assert streamed.model_dump(exclude=unnamed) == plain.model_dump(exclude=unnamed)
+    assert [item.model_dump(exclude={"id", "call_id"}) for item in streamed.output] == \
+        [item.model_dump(exclude={"id", "call_id"}) for item in plain.output]
+
+    engine = Recording(make_engine())
+    ([events], [sample]) = asyncio.run(scenario(engine, {"model": "policy", "input": "Hi", "max_output_tokens": 2,
+                                                         "stream": True}))
+    cut = events[-1].response
+    assert (events[-1].type, cut.incomplete_details.reason) == ("response.incomplete", "max_output_tokens")
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == cut.output_text == sample["messages"][-1]["content"]
+    [(_, result)] = engine.turns
+    generated = [token for token, bit in zip(sample["response_ids"], sample["loss_mask"]) if bit]
+    assert generated == list(result.output_ids) and cut.usage.output_tokens == 2
 
 
 def test_concurrent_episodes_do_not_mix(make_engine: Callable[..., CpuEngine],
@@ -174,7 +205,7 @@ def test_concurrent_episodes_do_not_mix(make_engine: Callable[..., CpuEngine],
             messages += [reply, {"role": "user", "content": follow_up}] if follow_up else [reply]
         await client.close()
 
-    ctx = dataclass_replace_agent(context(cfg, engine, tokenizer), chat_twice)
+    ctx = with_agent(context(cfg, engine, tokenizer), chat_twice)
     questions = [f"Question number {index}?" for index in range(8)]
 
     async def episodes() -> list[Sample]:
@@ -202,7 +233,7 @@ def test_a_reward_reads_the_transcript_or_the_agent_reports_its_own(tokenizer: P
     """reward.fn reads the episode's conversation (the tool's turn included); an agent that reports a reward
     is not scored by the configured one; a reported reward that is not a number is that sample's reward error,
     and a result of another shape fails the episode, naming what came back."""
-    from examples.openai_agent.agent import solve
+    from examples.openai_agent.agent import DEMO, solve
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "plugins"))
     task = prompt("Solve this problem: 4 + 7 =", "11")
@@ -215,18 +246,20 @@ def test_a_reward_reads_the_transcript_or_the_agent_reports_its_own(tokenizer: P
     cfg = agent_cfg().with_overrides(reward={"fn": "reward_hooks:tool_use"})
     ctx = context(cfg, CalculatorScript(tokenizer), tokenizer)
     sample = asyncio.run(openai_episode(ctx, task, "g#0/0"))
-    assert [message["role"] for message in sample.transcript] == ["system", "user", "assistant", "tool", "assistant"]
+    demo = [message["role"] for message in DEMO]  # the agent's worked example comes first
+    assert [message["role"] for message in sample.transcript] == ["system", *demo, "user", "assistant", "tool",
+                                                                   "assistant"]
     (scored,) = asyncio.run(ctx.score(task, [sample]))
-    assert scored.components == {"tool_results": 1.0, "answered": 1.0} and scored.value == 2.0
+    assert scored.components == {"tool_results": 2.0, "answered": 1.0} and scored.value == 3.0
 
     for reported, expected in ((0.25, (0.25, {})), ({"judge": 0.5, "style": 0.25}, (0.75, {"judge": 0.5, "style": 0.25}))):
-        ctx = dataclass_replace_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), reports(reported))
+        ctx = with_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), reports(reported))
         sample = asyncio.run(openai_episode(ctx, task, "g#0/1"))
         (reward,) = asyncio.run(ctx.score(task, [sample]))
         assert (reward.value, dict(reward.components), reward.error) == (*expected, "")
         assert sample.answer_text == "<answer>11</answer>"
 
-    ctx = dataclass_replace_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), reports(float("nan")))
+    ctx = with_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), reports(float("nan")))
     (reward,) = asyncio.run(ctx.score(task, [asyncio.run(openai_episode(ctx, task, "g#0/2"))]))
     assert "reported a reward in episode g#0/2" in reward.error and "nan" in reward.error
 
@@ -234,13 +267,9 @@ def test_a_reward_reads_the_transcript_or_the_agent_reports_its_own(tokenizer: P
         solve(base_url, api_key, given)
         return {"answer": "11", "score": 1.0}
 
-    ctx = dataclass_replace_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), odd_shape)
+    ctx = with_agent(context(cfg, CalculatorScript(tokenizer), tokenizer), odd_shape)
     with pytest.raises(AgentFailed, match=r"returned a dict with \['answer', 'score'\] in episode g#0/3"):
         asyncio.run(openai_episode(ctx, task, "g#0/3"))
-
-
-def dataclass_replace_agent(ctx: RolloutContext, agent: Callable[..., Any]) -> RolloutContext:
-    return RolloutContext(ctx.cfg, ctx.worker_id, ctx.engine, ctx.tokenizer, ctx.sampling, ctx.generate, agent)
 
 
 # ---- agents that fail ---------------------------------------------------------------------------------
@@ -270,7 +299,7 @@ def test_an_agent_that_raises_hangs_or_never_calls_fails_its_sample(tokenizer: P
     for agent, why in ((raises, "failed in episode g#0/0: KeyError"), (hangs, "did not return within"),
                        (never_calls, "without calling the model")):
         with pytest.raises(AgentFailed, match=why):
-            asyncio.run(openai_episode(dataclass_replace_agent(context(cfg, engine, tokenizer), agent), task, "g#0/0"))
+            asyncio.run(openai_episode(with_agent(context(cfg, engine, tokenizer), agent), task, "g#0/0"))
     release.set()
     for thread in threading.enumerate():
         if thread.name.startswith("agent http://"):
@@ -396,7 +425,7 @@ def test_an_episode_refuses_another_temperature_and_stops_at_the_context_limit(
                 refusals.append(exc)
         raise RuntimeError("gives up: a truncated episode is trained all the same")
 
-    sample = asyncio.run(openai_episode(dataclass_replace_agent(context(cfg, engine, tokenizer), agent),
+    sample = asyncio.run(openai_episode(with_agent(context(cfg, engine, tokenizer), agent),
                                         prompt("Solve this problem: 2 + 2 =", "4"), "g#0/0"))
     assert [exc.body["param"] for exc in refusals] == ["temperature", "messages"]
     assert refusals[1].body["code"] == "context_length_exceeded"

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from milestream.schemas import routing
-from milestream.schemas.records import LogProbs, Record, TeacherLogProbs, Trajectory
+from milestream.schemas.records import LogProbs, Record, TeacherLogProbs, Trajectory, trajectory_id
 from milestream.streams.filters import reward_nonzero_std
-from milestream.streams.groups import (GroupAssembler, join_sample, load_filter, oldest_version, record_positions,
-                                       staleness)
+from milestream.streams.groups import (GroupAssembler, drop_record, join_sample, load_filter, oldest_version,
+                                       record_positions, staleness)
 from milestream.streams.sources import MismatchError, refs_of
 
 _offsets = itertools.count()
@@ -238,3 +238,47 @@ def test_without_distillation_teacher_records_are_not_waited_for():
     outcome, _ = assembler.add(lp("n", 1))
     assert outcome.dropped is None and [row.teacher_offset for row in outcome.manifest] == [-1, -1]
     assert [s.teacher_logprobs for s in joined(outcome.manifest)] == [[], []]
+
+
+def leaf(group: str, i: int, number: int, leaves: int, reward: float = 1.0, size: int = 2):
+    """Trajectory ``number`` of an agent's episode of ``leaves`` (sample ``i``), and its log-probs."""
+    record = dataclasses.replace(traj(group, i, size, reward=reward), trajectory_id=trajectory_id(group, i, number),
+                                 leaf=number, leaves=leaves)
+    return record, dataclasses.replace(lp(group, i, size), trajectory_id=record.trajectory_id)
+
+
+def test_an_episode_of_several_leaves_completes_with_every_leaf_and_counts_once():
+    from milestream.train.collector import check_group, check_manifest
+
+    assembler = Assembler()
+    records = [*leaf("g", 0, 2, 3), *leaf("g", 1, 0, 1, reward=0.0), *leaf("g", 0, 0, 3), *leaf("g", 0, 1, 3)]
+    outcomes = [assembler.add(record)[0] for record in records]
+    assert outcomes[:-1] == [None] * (len(records) - 1)  # the last leaf's log-probs complete the group
+    manifest = outcomes[-1].manifest
+    assert [(row.sample_index, row.leaf, row.leaves) for row in manifest] == [(0, 0, 3), (0, 1, 3), (0, 2, 3),
+                                                                               (1, 0, 1)]
+    assert [row.trajectory_id for row in manifest] == ["g/0", "g/0.1", "g/0.2", "g/1"]
+    check_manifest(manifest, 2, context=100, partitions=1)
+    check_group(joined(manifest), 2, vocab_size=10, context=100)
+    with pytest.raises(MismatchError, match=r"\[\(0, 0, 3\), \(0, 2, 3\), \(1, 0, 1\)\]"):  # leaf 1 missing
+        check_manifest([manifest[0], *manifest[2:]], 2, context=100, partitions=1)
+    # the episode's three trajectories and the other sample's one: each episode counts once
+    assert drop_record("g", manifest, "filtered", "", "test", 0).mean_reward == pytest.approx(0.5)
+
+
+def test_leaves_that_contradict_their_episode_or_their_id_are_refused():
+    assembler = Assembler()
+    assembler.add(leaf("g", 0, 0, 3)[0])
+    with pytest.raises(MismatchError) as caught:
+        assembler.add(leaf("g", 0, 1, 2)[0])  # its episode declared 3 leaves
+    assert caught.value.field == "leaves"
+    record = leaf("g", 0, 1, 3)[0]
+    for bad, field_name in ((dataclasses.replace(record, leaf=2), "leaf"), (dataclasses.replace(record, leaves=1), "leaf"),
+                            (dataclasses.replace(record, trajectory_id="g/0.01"), "trajectory_id"),
+                            (dataclasses.replace(record, trajectory_id="g/0.x"), "trajectory_id")):
+        with pytest.raises(MismatchError) as caught:
+            ref(bad)
+        assert caught.value.field == field_name, bad
+    with pytest.raises(MismatchError) as caught:  # log-probs of a trajectory id no leaf makes
+        ref(dataclasses.replace(lp("g", 0), trajectory_id="g/0.0"))
+    assert caught.value.field == "trajectory_id"

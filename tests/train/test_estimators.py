@@ -37,6 +37,20 @@ def test_grpo_normalizes_each_group_and_zeroes_padding():
     assert torch.equal(compute_advantages("gspo", batch).advantages, adv)  # gspo differs in its loss only
 
 
+def test_an_episode_of_several_trajectories_counts_once_in_its_group():
+    """Episode A is three trajectories (reward 1), B one (reward 0): the group's mean and spread are those of
+    [1, 0], as if each episode were one sample; each of A's trajectories gets A's advantage."""
+    weights = torch.tensor([1 / 3, 1 / 3, 1 / 3, 1.0])
+    leaves = inputs([1.0, 1.0, 1.0, 0.0], [0] * 4, [[1.0]] * 4, weights=weights)
+    episodes = compute_advantages("grpo", inputs([1.0, 0.0], [0, 0], [[1.0]] * 2)).advantages
+    assert torch.allclose(compute_advantages("grpo", leaves).advantages,
+                          episodes[[0, 0, 0, 1]], atol=1e-6)
+    baseline = compute_advantages("reinforce_plus_plus_baseline", leaves, AdvantageOptions()).advantages
+    assert torch.allclose(baseline[:3], baseline[0].expand(3, 1)) and (baseline[3] < 0).all()
+    lone = inputs([1.0, 1.0], [0, 0], [[1.0]] * 2, weights=torch.tensor([0.5, 0.5]))  # one episode: no spread
+    assert torch.equal(compute_advantages("grpo", lone).advantages, torch.zeros(2, 1))
+
+
 def test_grpo_group_of_one_is_zero():
     assert torch.equal(compute_advantages("grpo", inputs([3.0], [0], [[1.0]])).advantages, torch.zeros(1, 1))
 

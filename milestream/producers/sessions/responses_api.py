@@ -11,13 +11,17 @@ matched against the exact ids the model saw and generated, never tokenized again
 result), ``reasoning`` (a model's reasoning, returned in ``output`` where the template parses one).
 Consecutive ``reasoning``, assistant ``message`` and ``function_call`` items are one assistant turn, as
 ``output`` lists them. Read: ``model``, ``input``, ``instructions`` (a system message first), ``tools``
-(function tools), ``max_output_tokens``, ``temperature``. Accepted at the value that changes nothing:
-``tool_choice`` auto, ``parallel_tool_calls`` true, ``top_p`` 1, ``text`` format text, ``truncation``
-disabled, ``include`` empty, ``stream`` false. ``previous_response_id`` and ``conversation`` (the server
-keeping a conversation) and any other field get a 400 naming it.
+(function tools), ``max_output_tokens``, ``temperature``, ``stream`` (Server-Sent Events as OpenAI sends
+them: each output item added, its text or arguments in one delta once the turn is generated, as chat
+completions stream, and done; last ``response.completed``, or ``response.incomplete`` when cut, with the
+response a request without ``stream`` gets). Accepted at the value that changes nothing: ``tool_choice``
+auto, ``parallel_tool_calls`` true, ``top_p`` 1, ``text`` format text, ``truncation`` disabled, ``include``
+empty. ``previous_response_id`` and ``conversation`` (the server keeping a conversation),
+``stream_options`` and any other field get a 400 naming it.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -31,10 +35,9 @@ from milestream.producers.sessions.templates import ChatTemplate
 from milestream.producers.sessions.tito import TokenSession
 
 NEUTRAL = {"tool_choice": (None, "auto"), "parallel_tool_calls": (None, True), "top_p": (None, 1),
-           "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"), "include": (None, []),
-           "stream": (None, False)}
+           "text": (None, {"format": {"type": "text"}}), "truncation": (None, "disabled"), "include": (None, [])}
 IGNORED = frozenset({"user", "metadata", "store", "service_tier"})  # nothing sampled depends on them
-READ = frozenset({"model", "input", "instructions", "tools", "max_output_tokens", "temperature"})
+READ = frozenset({"model", "input", "instructions", "tools", "max_output_tokens", "temperature", "stream"})
 STATEFUL = frozenset({"previous_response_id", "conversation"})
 ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -44,13 +47,16 @@ ROLES = ("user", "system", "developer", "assistant")
 
 
 async def responses(request: web.Request, session: TokenSession, generate: Generate, rules: SamplingRules,
-                    model: str) -> web.Response:
+                    model: str) -> web.StreamResponse:
     """One turn of ``session`` asked through the Responses API; a bad field is a 400 naming it."""
     completion = await session_turn(request, session, generate, model,
                                     lambda body: parse_responses_request(body, rules, session.template))
     if isinstance(completion, web.Response):
         return completion
-    return web.json_response(response_body(completion))
+    body = response_body(completion)
+    if completion.request.stream:
+        return await _stream(request, body)
+    return web.json_response(body)
 
 
 def parse_responses_request(body: Mapping[str, Any], rules: SamplingRules, template: ChatTemplate) -> ChatRequest:
@@ -67,7 +73,7 @@ def parse_responses_request(body: Mapping[str, Any], rules: SamplingRules, templ
     messages = [{"role": "system", "content": instructions}] if instructions else []
     chat = {"model": body.get("model"), "messages": messages + input_messages(body.get("input")),
             "tools": chat_tools(body.get("tools")), "max_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature")}
+            "temperature": body.get("temperature"), "stream": body.get("stream")}
     try:
         return parse_chat_request({k: v for k, v in chat.items() if v is not None}, rules, template)
     except BadRequest as exc:  # named as this API names it
@@ -183,3 +189,49 @@ def response_body(completion: Completion) -> dict:
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+async def _stream(request: web.Request, body: dict) -> web.StreamResponse:
+    """Server-Sent Events as OpenAI streams a response: created and in progress (no output yet), each item of
+    ``body`` added, its content in one delta (the engine returns a turn at once) and done, then ``body`` itself
+    as ``response.completed`` or ``response.incomplete``, the event its status names."""
+    reply = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await reply.prepare(request)
+    # the client takes a lifecycle event's response as the one it accumulates output into
+    pending = {**body, "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
+    events = [{"type": "response.created", "response": pending}, {"type": "response.in_progress", "response": pending}]
+    for index, item in enumerate(body["output"]):
+        events += _item_events(index, item)
+    events.append({"type": f"response.{body['status']}", "response": body})
+    for number, event in enumerate(events):
+        data = json.dumps({**event, "sequence_number": number}, ensure_ascii=False)
+        await reply.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+    await reply.write_eof()
+    return reply
+
+
+def _item_events(index: int, item: dict) -> list[dict]:
+    """One output item's events: added without its content (the client appends each delta to it), the
+    content, then done with the item as ``output`` lists it."""
+    at = {"item_id": item["id"], "output_index": index}
+    if item["type"] == "message":
+        (part,) = item["content"]
+        content = _part_events({**at, "content_index": 0}, part, "content_part", "output_text", logprobs=[])
+        added = {**item, "status": "in_progress", "content": []}
+    elif item["type"] == "function_call":
+        content = [{"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]},
+                   {"type": "response.function_call_arguments.done", **at, "arguments": item["arguments"]}]
+        added = {**item, "status": "in_progress", "arguments": ""}
+    else:  # reasoning, its summary one part
+        (part,) = item["summary"]
+        content = _part_events({**at, "summary_index": 0}, part, "reasoning_summary_part", "reasoning_summary_text")
+        added = {**item, "summary": []}
+    return [{"type": "response.output_item.added", "output_index": index, "item": added}, *content,
+            {"type": "response.output_item.done", "output_index": index, "item": item}]
+
+
+def _part_events(at: dict, part: dict, part_event: str, text_event: str, **text_fields: Any) -> list[dict]:
+    return [{"type": f"response.{part_event}.added", **at, "part": {**part, "text": ""}},
+            {"type": f"response.{text_event}.delta", **at, "delta": part["text"], **text_fields},
+            {"type": f"response.{text_event}.done", **at, "text": part["text"], **text_fields},
+            {"type": f"response.{part_event}.done", **at, "part": part}]

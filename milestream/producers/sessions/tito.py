@@ -144,8 +144,21 @@ class TokenSession:
             self._extended.add(id(turn.parent))
         return copy.deepcopy(message)
 
-    def samples(self) -> list[SessionSample]:
-        return [_sample(node) for node in self._nodes if id(node) not in self._extended]
+    def samples(self, train_once: bool = False) -> list[SessionSample]:
+        """Its leaves, in the order they were generated. ``train_once``: a generated turn that several leaves
+        share (the history branches after it) is trained in the first of them only, and is context (loss mask
+        0) in the others, so that each token the model generated counts once in a step."""
+        trained: set[int] = set()
+        out = []
+        for node in self._nodes:
+            if id(node) not in self._extended:
+                out.append(_sample(node, trained if train_once else set()))
+                trained.update(id(part) for part in _chain(node))
+        return out
+
+    def replies(self) -> list[dict]:
+        """Every generated assistant message, one per turn, in order (of all its leaves)."""
+        return [copy.deepcopy(node.messages[-1]) for node in self._nodes]
 
     def _longest_history(self, keys: list[str], tools_key: str) -> _Node | None:
         """The most recent of the longest stored histories that ``keys`` strictly extends."""
@@ -179,12 +192,13 @@ def _ids(node: _Node | None) -> tuple[int, ...]:
     return tuple(token for part in _chain(node) for token in part.ids)
 
 
-def _sample(leaf: _Node) -> SessionSample:
+def _sample(leaf: _Node, trained: set[int]) -> SessionSample:
+    """The leaf's history as one sample; the turns of ``trained`` (node ids) as context, loss mask 0."""
     chain = _chain(leaf)
     ids = [token for node in chain for token in node.ids]
-    mask = [bit for node in chain for bit in node.loss_mask]
-    logprobs = [lp for node in chain for lp in node.logprobs]
-    versions = [v for node in chain for v in node.versions]
+    mask = [0 if id(node) in trained else bit for node in chain for bit in node.loss_mask]
+    logprobs = [0.0 if id(node) in trained else lp for node in chain for lp in node.logprobs]
+    versions = [-1 if id(node) in trained else v for node in chain for v in node.versions]
     start = mask.index(1) if 1 in mask else len(ids)
     return SessionSample(
         prompt_ids=ids[:start], response_ids=ids[start:], loss_mask=mask[start:],
