@@ -342,6 +342,8 @@ def main() -> None:
     args = parse_args()
     workdir = None if args.run_dir else Path(tempfile.mkdtemp(prefix="milestream-chaos-"))
     run_dir = Path(args.run_dir) if args.run_dir else workdir / "chaos"
+    if run_dir.exists() and any(run_dir.iterdir()):  # `milestream run` would resume that run, not start one
+        sys.exit(f"--run-dir {run_dir} holds a run already: give a new or empty folder")
     result = chaos_run(args, run_dir)  # should it raise, its folder stays too
     if not result.get("exact"):  # the evidence survives the run: its folder is kept
         result["run_dir"] = str(run_dir)

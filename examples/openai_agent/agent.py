@@ -1,7 +1,7 @@
 """An agent written only against the ``openai`` package: milestream trains it unchanged.
 
 It answers arithmetic questions over several turns with a calculator tool: it sends the conversation
-to the chat completions API, runs every tool call the model makes and sends the results back, until
+(after one worked example: a question, the call, the tool's result, the answer) to the chat completions API, runs every tool call the model makes and sends the results back, until
 the model answers without calling a tool; the answer is the last number of that reply, in the
 ``<answer></answer>`` tags the task's verifier reads. Nothing here knows about milestream: the training
 run calls ``solve`` with the base url of a per-episode endpoint in front of the policy, an api key and

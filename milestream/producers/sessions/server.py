@@ -149,7 +149,7 @@ class SessionService:
             generate = functools.partial(self.backend.generate, routing_key=session_id)
             return await chat_completion(request, session, generate, self.openai_rules, self.model)
 
-    async def responses(self, request: web.Request) -> web.Response:
+    async def responses(self, request: web.Request) -> web.StreamResponse:
         session_id, session = self._session(request)
         with self._turn_running(session_id):
             generate = functools.partial(self.backend.generate, routing_key=session_id)
