@@ -13,7 +13,7 @@ a shared engine evaluates it when it starts, before it admits a prompt) or it is
 end ``milestream run`` evaluates the version it ended on if no evaluator did (``finish_evaluation``). The
 held-out set is ``eval.num_prompts`` distinct questions held out by question: the rows of ``eval.path``, or
 the first distinct questions from task indices ``data.size`` onwards, which the loader then skips; prompted
-as rollout prompts and decoded greedily; the score is the configured reward's mean without the format
+as rollout prompts and decoded greedily (with ``rollout.agent_fn``: one greedy episode of the agent each); the score is the configured reward's mean without the format
 reward (``HeldOut``). Each result on ``eval.results`` names the version and step that produced it and
 ``lag_steps``: the newest step announced on ``weights.versions`` when the result is published, minus the
 version's step. A failed evaluation (an exception, ``eval.timeout_s``, a snapshot gone) is a result with
@@ -29,10 +29,10 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import mean
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
@@ -42,9 +42,10 @@ from milestream.infra.kafka import RecordConsumer, RecordProducer
 from milestream.infra.model import configure_process, load_tokenizer, stop_token_ids
 from milestream.infra.offsets import Checkpoint
 from milestream.log.lineage import check_observed
-from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, GenerateResult, SamplingParams
+from milestream.engines.engine import CpuEngine, Engine, GenerateRequest, SamplingParams, sampling_params
 from milestream.producers.data import held_out, prompt_messages, sources
-from milestream.producers.rewards import RewardSample, load_reward
+from milestream.producers.rewards import Reward, RewardSample, load_reward
+from milestream.producers.rollout import RolloutContext, load_layers
 from milestream.producers.tasks import chat_input_ids
 from milestream.schemas import topics
 from milestream.schemas.codec import Position
@@ -86,14 +87,15 @@ def held_out_prompts(cfg: Config) -> list[Prompt]:
             for i, p in enumerate(held_out(cfg))]
 
 
-def reward_sample(cfg: Config, prompt: Prompt, prompt_ids: tuple[int, ...], result: GenerateResult,
-                  text: str) -> RewardSample:
-    """What the reward sees of a held-out completion: a task entry is its metadata, its answer the label
-    (as in training); an ``eval.path`` row gives its label and metadata."""
+def reward_sample(cfg: Config, prompt: Prompt, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                  finish_reason: str, text: str, **episode: Any) -> RewardSample:
+    """What the reward sees of a held-out completion (or an agent's episode: ``turns``, ``tool_calls``,
+    ``transcript``): a task entry is its metadata, its answer the label (as in training); an ``eval.path``
+    row gives its label and metadata."""
     entry = json.loads(prompt.entry_json)
     label, metadata = (entry["answer"] or None, entry["metadata"]) if cfg.eval.path else (prompt.answer, entry)
-    return RewardSample.of(cfg, prompt, label, metadata, response=text, prompt_ids=prompt_ids,
-                           response_ids=tuple(result.output_ids), finish_reason=result.finish_reason)
+    return RewardSample.of(cfg, prompt, label, metadata, response=text, prompt_ids=tuple(prompt_ids),
+                           response_ids=tuple(response_ids), finish_reason=finish_reason, **episode)
 
 
 class HeldOut:
@@ -107,6 +109,8 @@ class HeldOut:
 
     def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase):
         self.cfg, self.tokenizer = cfg, tokenizer
+        # an agent's run is evaluated as it trains: one greedy episode of its agent per prompt
+        self.agent_layers = load_layers(cfg) if cfg.rollout.agent_fn else None
         self.prompts = held_out_prompts(cfg)
         self.input_ids = [tuple(chat_input_ids(tokenizer, prompt_messages(cfg, p), cfg.data.assistant_prefill))
                           for p in self.prompts]
@@ -117,16 +121,15 @@ class HeldOut:
 
     async def score(self, engine: Engine, version: int) -> list[Score]:
         """All prompts at once: they join whatever the engine is running, which goes on undisturbed."""
-        requests = [GenerateRequest(f"eval-v{version}/{i}", ids, self.sampling) for i, ids in enumerate(self.input_ids)]
-        results = await asyncio.gather(*(engine.generate(request) for request in requests))
-        aborted = sum(result.finish_reason == "abort" for result in results)
-        if aborted:
-            raise RuntimeError(f"the engine aborted {aborted} of {len(results)} evaluation requests")
+        if self.agent_layers is None:
+            texts, samples = await self._completions(engine, version)
+        else:
+            texts, samples = await self._episodes(engine, version)
         if engine.version != version:
             raise RuntimeError(f"the engine moved to version {engine.version} while evaluating version {version}")
-        texts = [self.tokenizer.decode(result.output_ids, skip_special_tokens=True) for result in results]
-        samples = [reward_sample(self.cfg, *each) for each in zip(self.prompts, self.input_ids, results, texts)]
-        rewards = await self.reward(samples)
+        asked = [sample for sample in samples if isinstance(sample, RewardSample)]
+        scored_by_model = iter(await self.reward(asked) if asked else ())
+        rewards = [next(scored_by_model) if isinstance(sample, RewardSample) else sample for sample in samples]
         scored = [reward for reward in rewards if not reward.error]
         if not scored:
             raise RuntimeError(f"the reward failed on all {len(rewards)} held-out completions: {rewards[0].error}")
@@ -137,6 +140,38 @@ class HeldOut:
                   "max_new_tokens": self.sampling.max_new_tokens, "example": texts[0],
                   **({"components": components} if components else {})}
         return [Score(self.cfg.eval.name, value, json.dumps(detail))]
+
+    async def _completions(self, engine: Engine, version: int) -> tuple[list[str], list[RewardSample]]:
+        requests = [GenerateRequest(f"eval-v{version}/{i}", ids, self.sampling) for i, ids in enumerate(self.input_ids)]
+        results = await asyncio.gather(*(engine.generate(request) for request in requests))
+        aborted = sum(result.finish_reason == "abort" for result in results)
+        if aborted:
+            raise RuntimeError(f"the engine aborted {aborted} of {len(results)} evaluation requests")
+        texts = [self.tokenizer.decode(result.output_ids, skip_special_tokens=True) for result in results]
+        return texts, [reward_sample(self.cfg, prompt, ids, result.output_ids, result.finish_reason, text)
+                       for prompt, ids, result, text in zip(self.prompts, self.input_ids, results, texts)]
+
+    async def _episodes(self, engine: Engine, version: int) -> tuple[list[str], list[RewardSample | Reward]]:
+        """One greedy episode of the run's agent per prompt (its generate function, as a rollout worker runs
+        it); an episode's reported reward stands as it is, and a failed episode is a reward error."""
+        greedy = self.cfg.model_copy(update={"rollout": self.cfg.rollout.model_copy(update={
+            "temperature": 0.0, "max_new_tokens": self.sampling.max_new_tokens})})
+        ctx = RolloutContext(greedy, f"eval-v{version}", engine, self.tokenizer,
+                             sampling_params(greedy.rollout, self.tokenizer), None, self.agent_layers.agent)
+        episodes = await asyncio.gather(*(self.agent_layers.generate(ctx, prompt, f"eval-v{version}/{i}")
+                                          for i, prompt in enumerate(self.prompts)), return_exceptions=True)
+        texts, samples = [], []
+        for prompt, episode in zip(self.prompts, episodes):
+            if isinstance(episode, BaseException):
+                texts.append("")
+                samples.append(Reward(0.0, error=f"{type(episode).__name__}: {episode}"[:500]))
+                continue
+            texts.append(episode.answer_text)
+            samples.append(episode.reported or reward_sample(
+                self.cfg, prompt, episode.prompt_ids, episode.response_ids, episode.finish_reason,
+                episode.answer_text, turns=episode.turns, tool_calls=episode.tool_calls,
+                transcript=tuple(episode.transcript or ())))
+        return texts, samples
 
 
 class VersionFeed:

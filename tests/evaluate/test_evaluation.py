@@ -307,3 +307,55 @@ def test_the_version_a_run_ends_on_is_evaluated_once_and_a_failure_is_skipped(cf
     everything, (gone,) = finish_evaluation(cfg)
     assert (gone.version, gone.status) == (4, "skipped") and "v000004.safetensors is gone" in gone.detail
     assert [r.version for r in everything] == [3, 4]
+
+
+REFUSED_QUESTIONS: set[str] = set()  # the held-out questions ``answering_agent`` fails on
+
+
+def answering_agent(base_url: str, api_key: str, task) -> str:
+    """One chat turn through the episode's endpoint, with the real ``openai`` client; fails when told to."""
+    import openai
+
+    if task.question in REFUSED_QUESTIONS:
+        raise ValueError("this agent gives up here")
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task.question}])
+    return reply.choices[0].message.content
+
+
+class QuestionEngine:
+    """Answers each held-out question it is shown with ``answers[question]``, recording its sampling."""
+
+    def __init__(self, tokenizer, answers: dict[str, str]):
+        self.tokenizer, self.answers, self.version = tokenizer, answers, 0
+        self.temperatures: list[float] = []
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.temperatures.append(request.sampling.temperature)
+        shown = self.tokenizer.decode(request.input_ids)
+        (text,) = [answer for question, answer in self.answers.items() if question in shown]
+        ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (self.tokenizer.eos_token_id,)
+        return GenerateResult(request.request_id, ids, (0.0,) * len(ids), (0,) * len(ids), "stop")
+
+
+def test_an_agents_run_is_evaluated_by_greedy_episodes_of_its_agent(cfg):
+    """With an agent (rollout.agent_fn) the held-out score is the agent's: one greedy episode per prompt through
+    its endpoint, its answer scored by the reward; an episode that fails is a reward error, left out."""
+    cfg = eval_cfg(cfg, mode="shared", max_new_tokens=16).with_overrides(
+        rollout={"generate_fn": "milestream.producers.agents:openai_episode", "agent_fn": f"{__name__}:answering_agent"},
+        data={"assistant_prefill": ""})
+    tokenizer = load_tokenizer(cfg.model)
+    heldout = HeldOut(cfg, tokenizer)
+    prompts = heldout.prompts
+    answers = {p.question: f"<answer>{p.answer}</answer>" if i % 2 == 0 else "<answer>none</answer>"
+               for i, p in enumerate(prompts)}
+    REFUSED_QUESTIONS.add(prompts[-1].question)
+    engine = QuestionEngine(tokenizer, answers)
+    try:
+        (scored,) = asyncio.run(heldout.score(engine, 0))
+    finally:
+        REFUSED_QUESTIONS.clear()
+    detail = json.loads(scored.detail)
+    assert detail["reward_errors"] == 1 and detail["prompts"] == len(prompts)
+    assert scored.value == 2 / 3  # prompts 0 and 2 right, 1 wrong, 3 failed (left out)
+    assert engine.temperatures == [0.0] * (len(prompts) - 1)  # greedy, one turn each
