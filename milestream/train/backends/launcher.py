@@ -71,6 +71,12 @@ def run_rank(entry: str, config_file: str) -> None:
     import logging
     import os
 
+    import torch.distributed as dist
+
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(process)d "
                                                    "%(name)s %(levelname)s %(message)s")
     import_path(entry, "launch entry")(load_config(config_file))
+    # a group left to the interpreter's exit can abort the rank (SIGABRT, "terminate called without an active
+    # exception": gloo's threads outlive the interpreter, pytorch/pytorch#190489) after its work is done
+    if dist.is_initialized():
+        dist.destroy_process_group()
