@@ -26,7 +26,7 @@ import sys
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from milestream.config import Config
@@ -315,14 +315,15 @@ class RolloutWorker:
         leaves = (sample, *sample.branches)
         records = []
         for number, leaf in enumerate(leaves):
+            routing = routing_records(trajectory_id(group.group_id, index, number), group.group_id, index,
+                                      group.task.size, leaf.routing)
             trajectory = self._trajectory(
                 group, index, number, leaves=len(leaves), prompt_ids=leaf.prompt_ids, response_ids=leaf.response_ids,
                 loss_mask=leaf.loss_mask, token_versions=leaf.versions, reward=scored.value,
-                status=STATUS[leaf.finish_reason], reward_error=scored.error,
+                status=STATUS[leaf.finish_reason], reward_error=scored.error, routing_chunks=len(routing),
                 response_text=self.tokenizer.decode(leaf.response_ids, skip_special_tokens=True))
-            routing = routing_records(trajectory.trajectory_id, group.group_id, index, group.task.size, leaf.routing)
-            records.append((replace(trajectory, routing_chunks=len(routing)),
-                            self._logprobs(trajectory, leaf.logprobs, leaf.topk_ids, leaf.topk_logprobs), routing))
+            records.append((trajectory, self._logprobs(trajectory, leaf.logprobs, leaf.topk_ids, leaf.topk_logprobs),
+                            routing))
         self._send(group, records)
 
     def _publish_unfinished(self, group: Group, published: set[int], status: str, reason: str) -> None:

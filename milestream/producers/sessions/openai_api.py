@@ -339,23 +339,32 @@ def _token(template: ChatTemplate, token: int, logprob: float) -> dict:
 async def _stream(request: web.Request, completion: Completion, template: ChatTemplate) -> web.StreamResponse:
     """Server-Sent Events: per choice, a delta with the whole reply (the engine returns a turn at once),
     then its finish reason; the usage when asked; then ``[DONE]``."""
-    reply = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await reply.prepare(request)
+    reply = await event_stream(request)
     head = _head(completion, "chat.completion.chunk")
     for index, choice in enumerate(completion.choices):
         delta = {"role": "assistant", **choice.message}
         if "tool_calls" in delta:  # a streamed call says which one it continues
             delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
-        await _event(reply, {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None,
-                                                  "logprobs": _logprobs(choice.result, completion.request, template)}]})
+        logprobs = _logprobs(choice.result, completion.request, template)
+        await send_event(reply, {**head, "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                      "logprobs": logprobs}]})
         finish = _finish_reason(choice)
-        await _event(reply, {**head, "choices": [{"index": index, "delta": {}, "finish_reason": finish}]})
+        await send_event(reply, {**head, "choices": [{"index": index, "delta": {}, "finish_reason": finish}]})
     if completion.request.include_usage:
-        await _event(reply, {**head, "choices": [], "usage": _usage(completion)})
+        await send_event(reply, {**head, "choices": [], "usage": _usage(completion)})
     await reply.write(b"data: [DONE]\n\n")
     await reply.write_eof()
     return reply
 
 
-async def _event(reply: web.StreamResponse, chunk: dict) -> None:
-    await reply.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
+async def event_stream(request: web.Request) -> web.StreamResponse:
+    """A Server-Sent Events reply, its headers sent (both OpenAI APIs stream this way)."""
+    reply = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await reply.prepare(request)
+    return reply
+
+
+async def send_event(reply: web.StreamResponse, data: dict, event: str | None = None) -> None:
+    """One event: ``data`` as JSON, named ``event`` where the API names its events (Responses)."""
+    named = f"event: {event}\n" if event else ""
+    await reply.write(f"{named}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())

@@ -21,7 +21,6 @@ empty. ``previous_response_id`` and ``conversation`` (the server keeping a conve
 """
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -30,7 +29,8 @@ from aiohttp import web
 
 from milestream.engines.http_api import BadRequest, int_field
 from milestream.producers.sessions.openai_api import (ChatRequest, Completion, Generate, SamplingRules,
-                                                      check_fields, parse_chat_request, session_turn, text_content)
+                                                      check_fields, event_stream, parse_chat_request, send_event,
+                                                      session_turn, text_content)
 from milestream.producers.sessions.templates import ChatTemplate
 from milestream.producers.sessions.tito import TokenSession
 
@@ -195,8 +195,7 @@ async def _stream(request: web.Request, body: dict) -> web.StreamResponse:
     """Server-Sent Events as OpenAI streams a response: created and in progress (no output yet), each item of
     ``body`` added, its content in one delta (the engine returns a turn at once) and done, then ``body`` itself
     as ``response.completed`` or ``response.incomplete``, the event its status names."""
-    reply = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await reply.prepare(request)
+    reply = await event_stream(request)
     # the client takes a lifecycle event's response as the one it accumulates output into
     pending = {**body, "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
     events = [{"type": "response.created", "response": pending}, {"type": "response.in_progress", "response": pending}]
@@ -204,8 +203,7 @@ async def _stream(request: web.Request, body: dict) -> web.StreamResponse:
         events += _item_events(index, item)
     events.append({"type": f"response.{body['status']}", "response": body})
     for number, event in enumerate(events):
-        data = json.dumps({**event, "sequence_number": number}, ensure_ascii=False)
-        await reply.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+        await send_event(reply, {**event, "sequence_number": number}, event["type"])
     await reply.write_eof()
     return reply
 
